@@ -1,0 +1,64 @@
+"""localspec: local, offline speculative decoding for GGUF models on llama-cpp-python.
+
+    import localspec
+    llm = localspec.load(target="t.gguf", draft="d.gguf", n_ctx=4096)
+    r = llm.generate("prompt", max_tokens=128, temperature=0.0)
+    r.text, r.tokens, r.from_draft, r.finish_reason, r.stats
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from .engine import Engine, Event, RequestError, Result, Stats, Stream
+from .errors import LocalspecError
+from .model import Check, ContextFullError, Model, ModelConfig, ModelError, compare_vocab, set_verbose
+
+__all__ = ["load", "Engine", "Event", "Result", "Stats", "Stream", "LocalspecError", "ModelError",
+           "RequestError", "ContextFullError", "IncompatibleModelsError", "Check", "compare_vocab"]
+
+
+class IncompatibleModelsError(LocalspecError):
+    """The draft model's vocabulary does not match the target's (llama.cpp's compatibility rules)."""
+
+
+def load(*, target: str | os.PathLike, draft: str | os.PathLike | None = None,
+         n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int = 0,
+         flash_attn: str = "auto", type_k: str = "f16", type_v: str = "f16",
+         n_ctx_draft: int | None = None, n_threads_draft: int | None = None, n_gpu_layers_draft: int | None = None,
+         flash_attn_draft: str | None = None, type_k_draft: str | None = None, type_v_draft: str | None = None,
+         exact: bool = False, target_kwargs: Mapping[str, object] | None = None,
+         draft_kwargs: Mapping[str, object] | None = None, verbose: bool = False) -> Engine:
+    """Load a target model and, optionally, a draft model that shares its tokenizer.
+
+    Each setting has a `*_draft` twin for the draft model that defaults to the target's value.
+    n_gpu_layers: layers offloaded to the GPU (CUDA/Metal builds of llama-cpp-python); -1 offloads all.
+    flash_attn: 'auto', 'on' or 'off'. type_k/type_v: KV cache type ('f16', 'q8_0', 'q4_0', ...).
+    exact: turn off CPU weight repacking so batched and single-token logits are bit-identical
+    (speculative greedy output then equals plain greedy output token for token; plain decode is ~25% slower).
+    target_kwargs/draft_kwargs: any other llama_model_params / llama_context_params field by name.
+    verbose: show llama.cpp's own log output.
+    """
+    set_verbose(verbose)
+    tcfg = ModelConfig(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
+                       type_k=type_k, type_v=type_v, exact=exact, kwargs=dict(target_kwargs or {}))
+    dcfg = ModelConfig(n_ctx=n_ctx_draft or n_ctx, n_threads=n_threads_draft or n_threads,
+                       n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft,
+                       flash_attn=flash_attn_draft or flash_attn, type_k=type_k_draft or type_k,
+                       type_v=type_v_draft or type_v, exact=exact, kwargs=dict(draft_kwargs or {}))
+    t = Model(target, tcfg)
+    d = None
+    try:
+        if draft is not None:
+            d = Model(draft, dcfg)
+            failed = [c for c in compare_vocab(t, d) if not c.ok]
+            if failed:
+                raise IncompatibleModelsError(f"draft {d.path.name} is incompatible with target {t.path.name}: "
+                                              f"{failed[0].rule} differs ({failed[0].detail}); "
+                                              "use a draft from the same model family")
+    except BaseException:
+        t.close()
+        if d is not None:
+            d.close()
+        raise
+    return Engine(t, d)

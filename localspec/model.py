@@ -1,0 +1,347 @@
+"""One llama.cpp model and its context, on llama-cpp-python's low-level API.
+
+A `Model` owns a llama_model, a llama_context (its own KV cache) and one reusable llama_batch. It keeps
+`tokens`, the exact token list its KV cache holds (sequence 0, positions 0..len-1), and offers the three
+operations speculative decoding needs: `decode` a run of tokens asking logits only for chosen rows,
+`truncate` the cache back to a prefix (llama_memory_seq_rm), and `sync` to a new prompt reusing the
+common prefix. Logit rows come back as zero-copy numpy views of llama.cpp's output buffer: they are valid
+until the next decode of the same model.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import llama_cpp as L
+import numpy as np
+
+from .errors import LocalspecError
+
+
+class ModelError(LocalspecError):
+    """A model file cannot be used: missing, not GGUF, truncated, unsupported, or a bad setting."""
+
+
+class ContextFullError(LocalspecError):
+    """The KV cache has no room for the tokens asked to decode."""
+
+
+# ---- llama.cpp logging: silent unless asked, but the last lines are kept for error messages ----
+_recent_log: deque[str] = deque(maxlen=20)
+_verbose = False
+
+
+@L.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    msg = text.decode("utf-8", errors="replace")
+    if level in (2, 3):  # warnings and errors explain failed loads
+        _recent_log.append(msg.strip())
+    if _verbose:
+        import sys
+
+        sys.stderr.write(msg)
+
+
+L.llama_log_set(_log_callback, ctypes.c_void_p(0))
+L.llama_backend_init()
+
+
+def set_verbose(on: bool) -> None:
+    """Show llama.cpp's own log output on stderr (off by default)."""
+    global _verbose
+    _verbose = on
+
+
+def _last_log() -> str:
+    lines = [x for x in _recent_log if x]
+    return f" (llama.cpp: {lines[-1]})" if lines else ""
+
+
+KV_TYPES = {"f32": L.GGML_TYPE_F32, "f16": L.GGML_TYPE_F16, "bf16": 30, "q8_0": L.GGML_TYPE_Q8_0,
+            "q4_0": L.GGML_TYPE_Q4_0, "q4_1": L.GGML_TYPE_Q4_1, "q5_0": L.GGML_TYPE_Q5_0,
+            "q5_1": L.GGML_TYPE_Q5_1, "iq4_nl": L.GGML_TYPE_IQ4_NL}
+FLASH_ATTN = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+              "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+# Pointer and callback fields cannot be set from a Python value: they are not offered as pass-through keys.
+_SETTABLE = (ctypes.c_bool, ctypes.c_int, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_size_t)
+
+
+def default_threads() -> int:
+    """All cores on small machines; half on large ones, where half are usually SMT siblings or E-cores."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return n if n <= 4 else n // 2
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Settings of one model. `kwargs` reach llama_model_params / llama_context_params by field name."""
+
+    n_ctx: int = 4096
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    flash_attn: str = "auto"
+    type_k: str = "f16"
+    type_v: str = "f16"
+    exact: bool = False
+    kwargs: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.n_ctx < 16:
+            raise ModelError(f"n_ctx must be at least 16, got {self.n_ctx}")
+        if self.n_threads is not None and self.n_threads < 1:
+            raise ModelError(f"n_threads must be at least 1, got {self.n_threads}")
+        if self.flash_attn not in FLASH_ATTN:
+            raise ModelError(f"flash_attn must be one of {', '.join(FLASH_ATTN)}, got {self.flash_attn!r}")
+        for name in ("type_k", "type_v"):
+            if getattr(self, name) not in KV_TYPES:
+                raise ModelError(f"{name} must be one of {', '.join(KV_TYPES)}, got {getattr(self, name)!r}")
+        model_keys, ctx_keys = _fields(L.llama_model_params), _fields(L.llama_context_params)
+        for key in self.kwargs:
+            if key not in model_keys and key not in ctx_keys:
+                raise ModelError(f"unknown llama.cpp setting {key!r}; allowed: {', '.join(sorted(model_keys | ctx_keys))}")
+
+
+def _fields(struct) -> set[str]:
+    return {name for name, ctype in struct._fields_ if ctype in _SETTABLE}
+
+
+def check_gguf(path: str | os.PathLike) -> Path:
+    """Fail early, with the fix, on paths llama.cpp would reject with a bare NULL."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelError(f"model file not found: {p}")
+    if not p.is_file():
+        raise ModelError(f"model path is not a file: {p}")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{p} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+                         "convert it with llama.cpp's convert_hf_to_gguf.py or download a .gguf build")
+    return p
+
+
+class Model:
+    """A llama.cpp model with its own context and KV cache (sequence 0)."""
+
+    def __init__(self, path: str | os.PathLike, cfg: ModelConfig = ModelConfig(), *, vocab_only: bool = False):
+        self.path = check_gguf(path)
+        self.cfg = cfg
+        self.tokens: list[int] = []
+        self._model = self._ctx = self._batch = None
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = cfg.n_gpu_layers
+        mp.vocab_only = vocab_only
+        if cfg.exact:
+            mp.use_extra_bufts = False  # no CPU weight repacking: batched logits == single-token logits
+        cp = L.llama_context_default_params()
+        threads = cfg.n_threads or default_threads()
+        cp.n_ctx = cfg.n_ctx
+        cp.n_batch = cp.n_ubatch = min(cfg.n_ctx, 512)
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type = FLASH_ATTN[cfg.flash_attn]
+        cp.type_k, cp.type_v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
+        cp.no_perf = True
+        for key, value in cfg.kwargs.items():
+            setattr(mp if key in _fields(L.llama_model_params) else cp, key, value)
+
+        _recent_log.clear()
+        self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise ModelError(f"llama.cpp could not load {self.path}: the file may be truncated or corrupt, "
+                             f"or its architecture unsupported by this llama.cpp{_last_log()}")
+        self.vocab = L.llama_model_get_vocab(self._model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        if vocab_only:
+            return
+        if L.llama_model_is_recurrent(self._model) or L.llama_model_is_hybrid(self._model):
+            self.close()
+            raise ModelError(f"{self.path.name} is a recurrent or hybrid model (Mamba, RWKV, ...): its state cannot "
+                             "be rolled back to an earlier position, which speculative decoding needs; "
+                             "use a transformer model")
+        self._ctx = L.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise ModelError(f"llama.cpp could not create a context for {self.path.name} with n_ctx={cfg.n_ctx}"
+                             f"{_last_log()}; try a smaller n_ctx or a quantized KV cache (type_k/type_v q8_0)")
+        self._mem = L.llama_get_memory(self._ctx)
+        self.n_ctx = L.llama_n_ctx(self._ctx)
+        self.n_batch = cp.n_batch
+        # One batch for the model's lifetime; numpy views over its arrays make filling it loop-free.
+        self._batch = L.llama_batch_init(self.n_batch, 0, 1)
+        b = self._batch
+        self._b_tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._b_pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._b_logits = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+        for i in range(self.n_batch):
+            b.seq_id[i][0] = 0
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # ---- tokens and text ----
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Text -> tokens; special tokens such as <|im_start|> are recognised, so rendered prompts work."""
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            buf = (L.llama_token * -n)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (control tokens render as b'' unless special)."""
+        n = L.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
+        if n < 0:
+            self._piece_buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
+        return self._piece_buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    @property
+    def bos(self) -> int:
+        return L.llama_vocab_bos(self.vocab)
+
+    @property
+    def eos(self) -> int:
+        return L.llama_vocab_eos(self.vocab)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self.vocab, token))
+
+    def token_text(self, token: int) -> bytes:
+        return L.llama_vocab_get_text(self.vocab, token) or b""
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        t = L.llama_model_chat_template(self._model, None)
+        return t.decode("utf-8") if t else None
+
+    # ---- the KV cache ----
+    def decode(self, tokens: Sequence[int], *, logits: str = "last") -> np.ndarray | None:
+        """Append tokens to the cache in one llama_decode per n_batch chunk.
+
+        logits: "none", "last" (one row) or "all" (one row per token; needs len(tokens) <= n_batch).
+        Returns a (rows, n_vocab) float32 view of llama.cpp's buffer, valid until the next decode.
+        """
+        n = len(tokens)
+        if n == 0:
+            return None
+        if len(self.tokens) + n > self.n_ctx:
+            raise ContextFullError(f"{len(self.tokens)} + {n} tokens exceed n_ctx={self.n_ctx}")
+        if logits == "all" and n > self.n_batch:
+            raise ValueError(f"cannot return logits for {n} > n_batch={self.n_batch} tokens")
+        for start in range(0, n, self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            m, p0 = len(chunk), len(self.tokens)
+            self._b_tok[:m] = chunk
+            self._b_pos[:m] = np.arange(p0, p0 + m)
+            self._b_logits[:m] = 1 if logits == "all" else 0
+            last = start + m == n
+            if last and logits == "last":
+                self._b_logits[m - 1] = 1
+            self._batch.n_tokens = m
+            rc = L.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                self.truncate(len(self.tokens))  # drop whatever a failed decode may have left
+                if rc == 1:
+                    raise ContextFullError(f"no KV cache slot for {m} tokens at position {p0} (n_ctx={self.n_ctx})")
+                raise ModelError(f"llama_decode failed with code {rc}{_last_log()}")
+            self.tokens.extend(chunk)
+        if logits == "none":
+            return None
+        rows = n if logits == "all" else 1
+        return np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(rows, self.n_vocab))
+
+    def truncate(self, n: int) -> None:
+        """Forget every cached position >= n."""
+        del self.tokens[n:]  # first: an interrupt between the two steps leaves the cache >= the list, never <
+        if not L.llama_memory_seq_rm(self._mem, 0, n, -1):
+            raise ModelError(f"llama.cpp refused to roll the KV cache of {self.path.name} back to {n} tokens")
+
+    def sync(self, tokens: Sequence[int], *, logits: bool = False) -> tuple[int, np.ndarray | None]:
+        """Make the cache hold exactly `tokens`, reusing the longest common prefix already cached.
+
+        Returns (tokens reused, the last token's logit row when `logits`; that token is re-decoded if needed).
+        """
+        keep = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            keep += 1
+        if logits:
+            keep = min(keep, len(tokens) - 1)
+        if keep < len(self.tokens):
+            self.truncate(keep)
+        return keep, self.decode(tokens[keep:], logits="last" if logits else "none")
+
+    def pos_max(self) -> int:
+        """llama.cpp's own view of the last cached position (-1 when empty)."""
+        return L.llama_memory_seq_pos_max(self._mem, 0)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+@dataclass(frozen=True)
+class Check:
+    rule: str
+    ok: bool
+    detail: str
+
+
+def compare_vocab(target: Model, draft: Model) -> list[Check]:
+    """llama.cpp's draft/target compatibility rules (common/speculative.cpp), one Check per rule."""
+    tv, dv = target.vocab, draft.vocab
+
+    def same(rule: str, a, b) -> Check:
+        return Check(rule, a == b, f"target {a!r}, draft {b!r}")
+
+    checks = [same("vocab type", L.llama_vocab_type(tv), L.llama_vocab_type(dv))]
+    for name, add, tok in (("BOS", L.llama_vocab_get_add_bos, L.llama_vocab_bos),
+                           ("EOS", L.llama_vocab_get_add_eos, L.llama_vocab_eos)):
+        ta, da = bool(add(tv)), bool(add(dv))
+        ok = ta == da and (not ta or tok(tv) == tok(dv))
+        checks.append(Check(f"add_{name.lower()} and {name} id", ok,
+                            f"target add={ta} id={tok(tv)}, draft add={da} id={tok(dv)}"))
+    diff = abs(target.n_vocab - draft.n_vocab)
+    checks.append(Check("vocab size difference <= 128", diff <= 128,
+                        f"target {target.n_vocab}, draft {draft.n_vocab} (difference {diff})"))
+    first = next((i for i in range(5, min(target.n_vocab, draft.n_vocab))
+                  if target.token_text(i) != draft.token_text(i)), None)
+    if first is None:
+        checks.append(Check("token text from id 5 on", True, f"ids 5..{min(target.n_vocab, draft.n_vocab) - 1} identical"))
+    else:
+        checks.append(Check("token text from id 5 on", False,
+                            f"first difference at token {first}: {target.token_text(first).decode(errors='replace')!r} "
+                            f"vs {draft.token_text(first).decode(errors='replace')!r}"))
+    return checks
