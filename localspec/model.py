@@ -38,7 +38,7 @@ _verbose = False
 @L.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     msg = text.decode("utf-8", errors="replace")
-    if level in (2, 3):  # warnings and errors explain failed loads
+    if level in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR: they explain failed loads
         _recent_log.append(msg.strip())
     if _verbose:
         import sys

@@ -1,0 +1,147 @@
+"""The `localspec` command: each subcommand parses, resolves, calls the library and prints. No logic here."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .engine import make_request
+from .errors import LocalspecError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Local, offline speculative decoding for GGUF models."""
+
+
+# ---- engine commands (generate) ----
+def model_options(f):
+    """Flags of localspec.load(), shared by every command that loads models."""
+    opts = [
+        click.option("--target", type=click.Path(dir_okay=False), help="Target GGUF file (the model whose output you get)."),
+        click.option("--draft", type=click.Path(dir_okay=False), help="Draft GGUF file (small, same tokenizer)."),
+        click.option("--n-ctx", type=int, default=4096, show_default=True, help="Context size of each model."),
+        click.option("--threads", "n_threads", type=int, help="CPU threads (default: all cores up to 4, else half)."),
+        click.option("--n-gpu-layers", type=int, default=0, show_default=True, help="Target layers on the GPU; -1 = all."),
+        click.option("--n-gpu-layers-draft", type=int, help="Draft layers on the GPU (default: as the target)."),
+        click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True),
+        click.option("--type-k", default="f16", show_default=True, help="KV cache type of keys (f16, q8_0, q4_0, ...)."),
+        click.option("--type-v", default="f16", show_default=True, help="KV cache type of values."),
+        click.option("--exact", is_flag=True, help="No CPU weight repacking: batched logits equal single-token logits "
+                     "(speculative greedy output then equals plain output token for token; ~25% slower)."),
+        click.option("--verbose", is_flag=True, help="Show llama.cpp's own log output."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def generation_options(f):
+    """Flags of Engine.generate()."""
+    opts = [
+        click.option("--max-tokens", type=int, default=256, show_default=True),
+        click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid", "none"]),
+                     help="Where draft tokens come from (default: model when --draft is given, else ngram)."),
+        click.option("--accept", type=click.Choice(["rejection", "greedy", "threshold"]), default="rejection",
+                     show_default=True, help="Acceptance rule; rejection and greedy are lossless, threshold is lossy."),
+        click.option("-k", "k", type=int, default=4, show_default=True, help="Draft tokens per round (at most)."),
+        click.option("--p-min", type=float, default=0.75, show_default=True,
+                     help="The draft model stops drafting when its top probability falls below this."),
+        click.option("--threshold", type=float, default=0.5, show_default=True,
+                     help="--accept threshold: accept a draft token while p(d) >= threshold * max p."),
+        click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=int, default=40, show_default=True, help="0 disables."),
+        click.option("--top-p", type=float, default=0.95, show_default=True),
+        click.option("--min-p", type=float, default=0.05, show_default=True),
+        click.option("--repeat-penalty", type=float, default=1.0, show_default=True),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+        click.option("--seed", type=int, help="Makes a sampled run reproducible."),
+        click.option("--stop", multiple=True, help="Stop string (not emitted); repeatable."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+_LOAD_KEYS = ("target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "n_gpu_layers_draft", "flash_attn",
+              "type_k", "type_v", "exact", "verbose")
+
+
+def split_options(kw: dict) -> tuple[dict, dict]:
+    """(load() keywords, generate() keywords) from a command's parsed flags."""
+    load_kw = {k: kw.pop(k) for k in _LOAD_KEYS if k in kw}
+    kw["stop"] = list(kw.get("stop") or ())
+    return load_kw, kw
+
+
+def load_engine(load_kw: dict):
+    from . import load
+
+    if not load_kw.get("target"):
+        raise click.UsageError("--target PATH is required (the GGUF file to generate with)")
+    return load(**load_kw)
+
+
+@cli.command()
+@click.argument("prompt", required=False)
+@model_options
+@generation_options
+@click.option("--chat", is_flag=True, help="PROMPT is a user message, rendered with the model's chat template.")
+@click.option("--system", help="System message for --chat.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, from_draft, finish_reason, stats).")
+def generate(prompt, chat, system, as_json, **kw):
+    """Generate a continuation of PROMPT ('-' or nothing reads it from stdin), streaming text to stdout.
+
+    One stats line goes to stderr: tokens/s, acceptance, and whether the acceptance rule is lossless.
+    """
+    import json
+
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty")
+    load_kw, gen_kw = split_options(kw)
+    make_request(**dict(gen_kw))  # reject bad options before spending seconds loading models
+    with load_engine(load_kw) as llm:
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            prompt = llm.chat_tokens(messages)
+        stream = llm.stream(prompt, **gen_kw)
+        events = []
+        for ev in stream:
+            events.append(ev)
+            if not as_json:
+                click.echo(ev.text, nl=False)
+        if as_json:
+            click.echo(json.dumps({"text": "".join(e.text for e in events), "tokens": [e.token for e in events],
+                                   "from_draft": [e.from_draft for e in events],
+                                   "finish_reason": stream.finish_reason, "stats": stream.stats.to_dict()}))
+        else:
+            click.echo("")
+            click.echo(stream.stats.line(), err=True)
+
+
+# ---- registry commands (pull, models, check) ----
+
+
+def main() -> None:
+    try:
+        rc = cli.main(standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2 if isinstance(e, click.UsageError) else e.exit_code)
+    except LocalspecError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Shared fixtures: real model files (fetched by scripts/fetch_models.py) and fake models for tier 1."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MODELS = Path(os.environ.get("LOCALSPEC_HOME") or "~/.cache/localspec").expanduser() / "models"
+SMOL = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+QWEN_TARGET = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+PROMPTS = Path(__file__).resolve().parents[1] / "localspec" / "prompts.jsonl"
+
+
+def _need(path: Path) -> Path:
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: run `python scripts/fetch_models.py` first")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> Path:
+    return _need(SMOL)
+
+
+@pytest.fixture(scope="session")
+def qwen_paths() -> tuple[Path, Path]:
+    return _need(QWEN_TARGET), _need(QWEN_DRAFT)
+
+
+@pytest.fixture(scope="session")
+def smol_engine(smol_path):
+    import localspec
+
+    with localspec.load(target=smol_path, draft=smol_path, n_ctx=1024, exact=True) as llm:
+        yield llm
+
+
+class FakeModel:
+    """A scripted stand-in for localspec.model.Model: logits are a function of the token before.
+
+    `table[t]` is the logit row that follows token t; the KV cache is the `tokens` list itself, and every
+    decode is recorded so tests can count them.
+    """
+
+    def __init__(self, table: dict[int, np.ndarray], n_vocab: int, *, n_ctx: int = 64, eog: int = -1):
+        self.table, self.n_vocab, self.n_ctx, self.eog = table, n_vocab, n_ctx, eog
+        self.tokens: list[int] = []
+        self.decodes: list[list[int]] = []
+
+    def row(self, t: int) -> np.ndarray:
+        return self.table.get(t, np.zeros(self.n_vocab, dtype=np.float32))
+
+    def decode(self, tokens, *, logits="last"):
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise AssertionError("decode past n_ctx")
+        if tokens:
+            self.decodes.append(list(tokens))
+        self.tokens.extend(tokens)
+        if logits == "none" or not tokens:
+            return None
+        rows = np.stack([self.row(t) for t in tokens])
+        return rows if logits == "all" else rows[-1:]
+
+    def truncate(self, n):
+        del self.tokens[n:]
+
+    def sync(self, tokens, *, logits=False):
+        keep = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            keep += 1
+        if logits:
+            keep = min(keep, len(tokens) - 1)
+        self.truncate(keep)
+        return keep, self.decode(list(tokens[keep:]), logits="last" if logits else "none")
+
+    def is_eog(self, t):
+        return t == self.eog
+
+    def piece(self, t):
+        return f"<{t}>".encode()
+
+
+def onehot(n_vocab: int, t: int, scale: float = 10.0) -> np.ndarray:
+    row = np.zeros(n_vocab, dtype=np.float32)
+    row[t] = scale
+    return row

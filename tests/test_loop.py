@@ -1,0 +1,132 @@
+"""Tier 1: the decoding loop against scripted fake models (exact accept / rewind / stop / EOS / context paths)."""
+import numpy as np
+import pytest
+
+from localspec.drafters import Draft, NgramDrafter, NoDrafter
+from localspec.engine import Finish, Round, Stream, Token, speculate
+from localspec.sampling import SamplingParams
+from localspec.text import TextStream
+
+from conftest import FakeModel, onehot
+
+V = 10
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def counting(eog: int = -1, n_ctx: int = 64) -> FakeModel:
+    """A target that always predicts t+1 after t (mod V)."""
+    return FakeModel({t: onehot(V, (t + 1) % V) for t in range(V)}, V, n_ctx=n_ctx, eog=eog)
+
+
+class Scripted:
+    def __init__(self, proposals):
+        self.proposals, self.calls = list(proposals), []
+
+    def propose(self, context, n):
+        self.calls.append((list(context), n))
+        return Draft(self.proposals.pop(0)[:n] if self.proposals else [])
+
+
+def run(target, drafter, prompt, **kw):
+    kw = dict(max_tokens=20, k=4, rule="greedy", params=GREEDY, rng=np.random.default_rng(0)) | kw
+    return list(speculate(target, None, drafter, prompt, **kw))
+
+
+def tokens_of(facts):
+    return [f.token for f in facts if type(f) is Token]
+
+
+def test_accept_prefix_then_correct_and_rewind():
+    target = counting()
+    drafter = Scripted([[1, 2, 9], [4, 5, 6, 7]])
+    facts = run(target, drafter, [0], max_tokens=9)
+    rounds = [f for f in facts if type(f) is Round]
+    assert (rounds[0].drafted, rounds[0].accepted) == (3, 2)  # 1, 2 accepted; 9 rejected, 3 emitted
+    assert (rounds[1].drafted, rounds[1].accepted) == (4, 4)  # full accept plus the bonus token 8
+    assert tokens_of(facts)[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [f.from_draft for f in facts if type(f) is Token][:8] == [True, True, False, True, True, True, True, False]
+    # one target decode per round: [pending, d1..dk], and after each round the cache is context[:-1]
+    assert target.decodes[0] == [0, 1, 2, 9] and target.decodes[1] == [3, 4, 5, 6, 7]
+    assert facts[-1] == Finish("length")
+    assert target.tokens == [0] + tokens_of(facts)[:-1]
+
+
+def test_output_equals_plain_whatever_the_draft():
+    plain = tokens_of(run(counting(), NoDrafter(), [3], max_tokens=15))
+    rng = np.random.default_rng(1)
+    noisy = Scripted([list(rng.integers(0, V, size=4)) for _ in range(30)])
+    assert tokens_of(run(counting(), noisy, [3], max_tokens=15)) == plain
+    assert plain == [(3 + i) % V for i in range(1, 16)]
+
+
+def test_eos_ends_with_stop_and_is_not_emitted():
+    facts = run(counting(eog=5), Scripted([[1, 2, 3, 4, 5, 6]]), [0], k=6)
+    assert tokens_of(facts) == [1, 2, 3, 4]
+    assert facts[-1] == Finish("stop")
+
+
+def test_context_full_ends_with_length_not_a_crash():
+    target = counting(n_ctx=8)
+    facts = run(target, Scripted([[1, 2, 3, 4]] * 5), [0], max_tokens=100)
+    assert facts[-1] == Finish("length")
+    assert len(target.tokens) <= 8
+    assert tokens_of(facts) == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_k_never_exceeds_tokens_left():
+    drafter = Scripted([[1, 2, 3, 4]] * 10)
+    facts = run(counting(), drafter, [0], max_tokens=3)
+    assert len(tokens_of(facts)) == 3
+    assert all(n <= 2 for _, n in drafter.calls)
+
+
+def test_consumer_stopping_early_leaves_cache_consistent():
+    target = counting()
+    gen = speculate(target, None, Scripted([[1, 2, 3]] * 5), [0], max_tokens=20, k=3, rule="greedy",
+                    params=GREEDY, rng=np.random.default_rng(0))
+    seen = [f for _, f in zip(range(4), gen)]
+    gen.close()
+    assert type(seen[-1]) is Token
+    assert target.tokens == [0, 1, 2, 3]
+
+
+def test_ngram_drafter_proposes_continuation_of_latest_match():
+    d = NgramDrafter(n_min=2, n_max=3)
+    assert d.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3], 2).tokens == [5, 7]
+    assert d.propose([1, 2, 3, 4], 3).tokens == []
+
+
+def test_stream_stop_string_and_stats():
+    target = counting()
+    facts = speculate(target, None, Scripted([[1, 2, 3, 4]] * 5), [0], max_tokens=20, k=4, rule="greedy",
+                      params=GREEDY, rng=np.random.default_rng(0))
+    s = Stream(facts, target.piece, stop=["<4><5"], drafter="scripted", rule="greedy", k=4, prompt_tokens=1)
+    text = "".join(e.text for e in s)
+    assert text == "<1><2><3>"
+    assert s.finish_reason == "stop"
+    assert s.stats.drafted >= 4 and s.stats.accepted_at[0] >= 1 and s.stats.lossless
+
+
+def test_text_stream_utf8_split_across_tokens():
+    ts = TextStream()
+    data = "é😀".encode()
+    out = [ts.push(data[i:i + 1]) for i in range(len(data))]
+    assert "".join(out) + ts.flush() == "é😀"
+    assert all("\ufffd" not in o for o in out)
+
+
+def test_text_stream_holds_possible_stop_prefix():
+    ts = TextStream(["</end>"])
+    assert ts.push(b"abc</") == "abc"
+    assert ts.push(b"en") == ""
+    assert ts.push(b"x") == "</enx"
+    assert ts.push(b"</e") == ""
+    assert ts.flush() == "</e"
+    ts = TextStream(["STOP"])
+    assert ts.push(b"aSTO") == "a" and ts.push(b"Pzz") == "" and ts.stopped
+
+
+@pytest.mark.parametrize("rule", ["rejection", "greedy", "threshold"])
+def test_rules_agree_at_temperature_zero_with_fakes(rule):
+    out = tokens_of(run(counting(), Scripted([[1, 2, 7, 4]] * 10), [0], rule=rule, max_tokens=10, tau=0.9))
+    assert out == list(range(1, 10)) + [0]

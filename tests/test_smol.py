@@ -1,0 +1,155 @@
+"""Tier 2: real-model properties on SmolLM2-135M (its own draft)."""
+import ctypes
+
+import llama_cpp as L
+import numpy as np
+import pytest
+
+import localspec
+from localspec.engine import Round, speculate
+from localspec.drafters import ModelDrafter
+from localspec.model import Model, ModelConfig, ModelError
+from localspec.sampling import SamplingParams
+
+MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+
+
+def test_self_draft_accepts_every_drafted_token(smol_engine):
+    r = smol_engine.generate(smol_engine.chat_tokens(MESSAGES), max_tokens=48, temperature=0, drafter="model",
+                             k=4, p_min=0.0)
+    s = r.stats
+    assert s.drafted > 0 and s.accepted == s.drafted
+    assert s.accepted_at[0] == s.drafting_rounds and s.accepted_at[-1] > 0
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("accept", ["rejection", "greedy"])
+def test_speculative_greedy_equals_plain(smol_engine, drafter, accept):
+    prompt = smol_engine.chat_tokens(MESSAGES)
+    plain = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter="none")
+    spec = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter=drafter, accept=accept, k=5, p_min=0)
+    assert spec.tokens == plain.tokens
+    assert spec.text == plain.text
+
+
+def test_kv_cache_matches_token_list_after_every_round(smol_engine):
+    t, d = smol_engine.target, smol_engine.draft
+    params = SamplingParams(temperature=0.7)
+    rng = np.random.default_rng(3)
+    prompt = smol_engine.chat_tokens(MESSAGES)
+    drafter = ModelDrafter(d, params, rng, p_min=0.2, prompt_len=len(prompt))
+    checked = 0
+    for fact in speculate(t, d, drafter, prompt, max_tokens=60, k=4, rule="rejection", params=params, rng=rng):
+        if type(fact) is Round:
+            assert t.pos_max() == len(t.tokens) - 1
+            assert d.pos_max() == len(d.tokens) - 1
+            checked += 1
+    assert checked > 5
+
+
+def test_prefix_reuse_prefills_only_the_new_suffix(smol_engine):
+    first = smol_engine.chat_tokens(MESSAGES)
+    smol_engine.generate(first, max_tokens=8, temperature=0, drafter="model")
+    longer = smol_engine.chat_tokens(MESSAGES + [{"role": "assistant", "content": "Sure."},
+                                                 {"role": "user", "content": "Now in Rust."}])
+    r = smol_engine.generate(longer, max_tokens=8, temperature=0, drafter="model")
+    assert longer[:len(first)] == first
+    assert r.stats.prompt_reused >= len(first) - 1
+    assert r.stats.prompt_prefilled == len(longer) - 1 - r.stats.prompt_reused
+    assert r.stats.draft_prompt_reused >= len(first) - 1
+
+
+def test_stop_string_is_not_emitted(smol_engine):
+    prompt = smol_engine.chat_tokens(MESSAGES)
+    plain = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter="none")
+    stop = plain.text[10:14]
+    r = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter="model", stop=[stop])
+    assert r.finish_reason == "stop"
+    assert r.text == plain.text[:plain.text.index(stop)]
+    assert smol_engine.target.pos_max() == len(smol_engine.target.tokens) - 1
+
+
+def test_interrupted_stream_leaves_both_caches_consistent(smol_engine):
+    s = smol_engine.stream(smol_engine.chat_tokens(MESSAGES), max_tokens=60, temperature=0, drafter="model")
+    it = iter(s)
+    for _ in range(7):
+        next(it)
+    it.close()
+    for m in (smol_engine.target, smol_engine.draft):
+        assert m.pos_max() == len(m.tokens) - 1
+    assert s.stats.generated == 7
+
+
+def test_sampling_is_reproducible_with_a_seed(smol_engine):
+    prompt = smol_engine.chat_tokens(MESSAGES)
+    a = smol_engine.generate(prompt, max_tokens=30, temperature=0.9, seed=42, drafter="model")
+    b = smol_engine.generate(prompt, max_tokens=30, temperature=0.9, seed=42, drafter="model")
+    assert a.tokens == b.tokens
+
+
+def test_eos_and_length_finish_reasons(smol_engine):
+    r = smol_engine.generate(smol_engine.chat_tokens([{"role": "user", "content": "Say OK."}]), max_tokens=200,
+                             temperature=0)
+    assert r.finish_reason == "stop" and r.stats.generated < 200
+    assert smol_engine.generate("Once upon a time", max_tokens=5, temperature=0).finish_reason == "length"
+
+
+def test_context_full_ends_with_length(smol_path):
+    with localspec.load(target=smol_path, draft=smol_path, n_ctx=64) as llm:
+        r = llm.generate("Count: 1, 2, 3, 4,", max_tokens=500, temperature=0, drafter="model")
+        assert r.finish_reason == "length"
+        assert len(llm.target.tokens) <= llm.target.n_ctx and r.stats.generated < 500
+
+
+def test_chat_completion_shape(smol_engine):
+    out = smol_engine.create_chat_completion(MESSAGES, max_tokens=8, temperature=0)
+    assert out["object"] == "chat.completion" and out["choices"][0]["message"]["role"] == "assistant"
+    assert out["usage"]["completion_tokens"] == out["localspec"]["generated"]
+    chunks = list(smol_engine.create_chat_completion(MESSAGES, max_tokens=8, temperature=0, stream=True))
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == out["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_settings_reach_llama_cpp(smol_path, monkeypatch):
+    seen = {}
+    real_load, real_init = L.llama_model_load_from_file, L.llama_init_from_model
+
+    def load(path, mp):
+        seen["model"] = {f: getattr(mp, f) for f in ("n_gpu_layers", "use_extra_bufts", "check_tensors")}
+        return real_load(path, mp)
+
+    def init(model, cp):
+        seen["ctx"] = {f: getattr(cp, f) for f in ("n_ctx", "n_threads", "flash_attn_type", "type_k", "type_v",
+                                                   "offload_kqv")}
+        return real_init(model, cp)
+
+    monkeypatch.setattr(L, "llama_model_load_from_file", load)
+    monkeypatch.setattr(L, "llama_init_from_model", init)
+    m = Model(smol_path, ModelConfig(n_ctx=256, n_threads=1, n_gpu_layers=7, flash_attn="on", type_k="q8_0",
+                                     type_v="q8_0", exact=True, kwargs={"check_tensors": True, "offload_kqv": False}))
+    m.close()
+    assert seen["model"] == {"n_gpu_layers": 7, "use_extra_bufts": False, "check_tensors": True}
+    assert seen["ctx"] == {"n_ctx": 256, "n_threads": 1, "flash_attn_type": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                           "type_k": L.GGML_TYPE_Q8_0, "type_v": L.GGML_TYPE_Q8_0, "offload_kqv": False}
+    default = Model(smol_path, ModelConfig(n_ctx=256))
+    default.close()
+    assert seen["model"]["use_extra_bufts"] is True  # the fast default keeps weight repacking
+
+
+def test_unknown_llama_setting_is_an_error_naming_it(smol_path):
+    with pytest.raises(ModelError, match="unknown llama.cpp setting 'n_gpu_layerz'"):
+        localspec.load(target=smol_path, target_kwargs={"n_gpu_layerz": 1})
+
+
+def test_recurrent_models_are_refused(smol_path, monkeypatch):
+    monkeypatch.setattr(L, "llama_model_is_recurrent", lambda model: True)
+    with pytest.raises(ModelError, match="recurrent or hybrid"):
+        Model(smol_path, ModelConfig(n_ctx=128))
+
+
+def test_vocab_check_passes_for_identical_models(smol_engine):
+    checks = localspec.compare_vocab(smol_engine.target, smol_engine.draft)
+    assert [c.rule for c in checks] == ["vocab type", "add_bos and BOS id", "add_eos and EOS id",
+                                        "vocab size difference <= 128", "token text from id 5 on"]
+    assert all(c.ok for c in checks)
