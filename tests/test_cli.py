@@ -1,0 +1,83 @@
+"""The CLI as a user runs it: a real process, real SmolLM2; bad input gets one line and exit code 2."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def localspec(*args, stdin: str | None = None):
+    env = dict(os.environ, NO_COLOR="1")
+    return subprocess.run([sys.executable, "-m", "localspec.cli", *map(str, args)], input=stdin,
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_generate_streams_text_and_prints_stats(smol_path):
+    r = localspec("generate", "--target", smol_path, "--draft", smol_path, "--chat", "What is 2+2?",
+                  "--temperature", "0", "--max-tokens", "24")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "tok/s" in r.stderr and "lossless" in r.stderr and "drafter model" in r.stderr
+
+
+def test_generate_json_from_stdin(smol_path):
+    r = localspec("generate", "-", "--target", smol_path, "--json", "--temperature", "0", "--max-tokens", "6",
+                  "--drafter", "ngram", stdin="The capital of France is")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"text", "tokens", "from_draft", "finish_reason", "stats"}
+    assert len(out["tokens"]) == len(out["from_draft"]) == 6 and out["finish_reason"] == "length"
+    assert out["stats"]["drafter"] == "ngram" and out["stats"]["lossless"] is True
+
+
+def test_threshold_is_reported_lossy(smol_path):
+    r = localspec("generate", "hello", "--target", smol_path, "--draft", smol_path, "--accept", "threshold",
+                  "--threshold", "0.3", "--max-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["lossless"] is False
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, smol_path):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "notgguf.gguf").write_bytes(b"this is not a model\n" * 10)
+    with open(smol_path, "rb") as f:
+        (d / "truncated.gguf").write_bytes(f.read(2_000_000))
+    return d
+
+
+BAD = {
+    "missing file": (["--target", "/nonexistent/model.gguf", "hi"], "not found"),
+    "not GGUF": (["--target", "{bad}/notgguf.gguf", "hi"], "not a GGUF file"),
+    "truncated GGUF": (["--target", "{bad}/truncated.gguf", "hi"], "truncated or corrupt"),
+    "incompatible pair": (["--target", "{smol}", "--draft", "{qwen_draft}", "hi"], "incompatible"),
+    "empty prompt": (["--target", "{smol}", ""], "prompt is empty"),
+    "prompt longer than n_ctx": (["--target", "{smol}", "--n-ctx", "256", "word " * 400], "n_ctx"),
+    "k < 1": (["--target", "{smol}", "-k", "0", "hi"], "k (draft tokens per round) must be at least 1"),
+    "temperature < 0": (["--target", "{smol}", "--temperature", "-1", "hi"], "temperature"),
+    "top_p > 1": (["--target", "{smol}", "--top-p", "1.5", "hi"], "top_p"),
+    "top_p = 0": (["--target", "{smol}", "--top-p", "0", "hi"], "top_p"),
+    "model drafter without draft": (["--target", "{smol}", "--drafter", "model", "hi"], "needs a draft model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_one_line_exit_2(case, bad_files, smol_path, qwen_paths):
+    args, expect = BAD[case]
+    args = [a.format(bad=bad_files, smol=smol_path, qwen_draft=qwen_paths[1]) for a in args]
+    r = localspec("generate", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert any(expect in line for line in lines), r.stderr
+    assert len(lines) <= 3  # one error line (click usage errors add a usage and a hint line)
+
+
+def test_help_explains_flags():
+    r = localspec("generate", "--help")
+    assert r.returncode == 0
+    for flag in ("--drafter", "--accept", "-k", "--p-min", "--threshold", "--temperature", "--top-p", "--top-k",
+                 "--min-p", "--repeat-penalty", "--seed", "--max-tokens", "--n-ctx", "--threads",
+                 "--n-gpu-layers", "--exact", "--chat", "--json", "--flash-attn", "--type-k"):
+        assert flag in r.stdout
