@@ -153,3 +153,28 @@ def test_vocab_check_passes_for_identical_models(smol_engine):
     assert [c.rule for c in checks] == ["vocab type", "add_bos and BOS id", "add_eos and EOS id",
                                         "vocab size difference <= 128", "token text from id 5 on"]
     assert all(c.ok for c in checks)
+
+
+def test_one_target_decode_per_round_with_k_plus_1_logit_rows(smol_engine, monkeypatch):
+    import localspec.model as lm
+
+    t = smol_engine.target
+    calls = []
+    real = lm.L.llama_decode
+
+    def counting(ctx, batch):
+        if ctx == t._ctx:
+            flags = [batch.logits[i] for i in range(batch.n_tokens)]
+            calls.append((batch.n_tokens, sum(1 for f in flags if f)))
+        return real(ctx, batch)
+
+    monkeypatch.setattr(lm.L, "llama_decode", counting)
+    prompt = smol_engine.chat_tokens(MESSAGES)
+    t.truncate(0)
+    s = smol_engine.stream(prompt, max_tokens=40, temperature=0, drafter="model", k=4, p_min=0.0)
+    list(s)
+    verify_calls = calls[1:]  # calls[0] is the prefill, which asks for no logits
+    assert calls[0][1] == 0
+    assert len(verify_calls) == s.stats.rounds
+    assert all(n_tokens == n_logits for n_tokens, n_logits in verify_calls)  # k+1 tokens, k+1 rows
+    assert max(n for n, _ in verify_calls) == 5
