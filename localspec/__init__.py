@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Mapping
 
 from .engine import Engine, Event, RequestError, Result, Stats, Stream
@@ -22,14 +23,19 @@ class IncompatibleModelsError(LocalspecError):
     """The draft model's vocabulary does not match the target's (llama.cpp's compatibility rules)."""
 
 
-def load(*, target: str | os.PathLike, draft: str | os.PathLike | None = None,
-         n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int = 0,
+def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | None = None,
+         pair: str | None = None, n_ctx: int | None = None, n_threads: int | None = None, n_gpu_layers: int = 0,
          flash_attn: str = "auto", type_k: str = "f16", type_v: str = "f16",
          n_ctx_draft: int | None = None, n_threads_draft: int | None = None, n_gpu_layers_draft: int | None = None,
          flash_attn_draft: str | None = None, type_k_draft: str | None = None, type_v_draft: str | None = None,
          exact: bool = False, target_kwargs: Mapping[str, object] | None = None,
-         draft_kwargs: Mapping[str, object] | None = None, verbose: bool = False) -> Engine:
+         draft_kwargs: Mapping[str, object] | None = None, memory_check: bool = True, allow_mirror: bool = True,
+         verbose: bool = False) -> Engine:
     """Load a target model and, optionally, a draft model that shares its tokenizer.
+
+    Models by path (target=, draft=) or by name: pair="NAME" from models.toml, or nothing at all for the
+    default pair; named models are fetched and verified on first use (see `localspec pull`), and the
+    pair's recommended drafter, k, p_min and n_ctx become the defaults.
 
     Each setting has a `*_draft` twin for the draft model that defaults to the target's value.
     n_gpu_layers: layers offloaded to the GPU (CUDA/Metal builds of llama-cpp-python); -1 offloads all.
@@ -37,15 +43,35 @@ def load(*, target: str | os.PathLike, draft: str | os.PathLike | None = None,
     exact: turn off CPU weight repacking so batched and single-token logits are bit-identical
     (speculative greedy output then equals plain greedy output token for token; plain decode is ~25% slower).
     target_kwargs/draft_kwargs: any other llama_model_params / llama_context_params field by name.
-    verbose: show llama.cpp's own log output.
+    memory_check: refuse to load, saying what to lower, when the models clearly cannot fit in memory.
+    verbose: show llama.cpp's own log output and the memory estimate.
     """
+    from . import memory, registry
+    from .model import check_gguf
+
     set_verbose(verbose)
+    defaults, name = {}, None
+    if target is None:
+        if draft is not None:
+            raise ModelError("draft= was given without target=: pass both paths, or pair='NAME'")
+        spec, target, draft = registry.resolve_pair(pair, allow_mirror=allow_mirror)
+        defaults, name = {"drafter": spec.drafter, "k": spec.k, "p_min": spec.p_min}, spec.name
+        n_ctx = n_ctx or spec.n_ctx
+    elif pair is not None:
+        raise ModelError("pass either pair='NAME' or target=/draft= paths, not both")
+    n_ctx = n_ctx or 4096
     tcfg = ModelConfig(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
                        type_k=type_k, type_v=type_v, exact=exact, kwargs=dict(target_kwargs or {}))
     dcfg = ModelConfig(n_ctx=n_ctx_draft or n_ctx, n_threads=n_threads_draft or n_threads,
                        n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft,
                        flash_attn=flash_attn_draft or flash_attn, type_k=type_k_draft or type_k,
                        type_v=type_v_draft or type_v, exact=exact, kwargs=dict(draft_kwargs or {}))
+    est = memory.estimate(check_gguf(target), check_gguf(draft) if draft is not None else None, tcfg.n_ctx,
+                          type_k=type_k, type_v=type_v, n_ctx_draft=dcfg.n_ctx if draft is not None else None)
+    if verbose:
+        print(f"localspec: estimated memory {est}", file=sys.stderr)
+    if memory_check:
+        memory.check_fits(est, memory.available_memory())
     t = Model(target, tcfg)
     d = None
     try:
@@ -61,4 +87,4 @@ def load(*, target: str | os.PathLike, draft: str | os.PathLike | None = None,
         if d is not None:
             d.close()
         raise
-    return Engine(t, d)
+    return Engine(t, d, name=name, defaults=defaults)

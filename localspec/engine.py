@@ -337,9 +337,11 @@ def make_request(**kw) -> Request:
 class Engine:
     """A target model, an optional draft model, and the generation API over them (see localspec.load)."""
 
-    def __init__(self, target: Model, draft: Model | None = None, *, name: str | None = None):
+    def __init__(self, target: Model, draft: Model | None = None, *, name: str | None = None,
+                 defaults: dict | None = None):
         self.target, self.draft = target, draft
         self.name = name or target.path.stem
+        self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
 
     # -- prompts --
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
@@ -398,7 +400,7 @@ class Engine:
         presence_penalty, seed, drafter ('model', 'ngram', 'hybrid', 'none'), accept ('rejection',
         'greedy', 'threshold'), k, p_min, threshold, stop.
         """
-        req = make_request(**options)
+        req = make_request(**(self.defaults | {k: v for k, v in options.items() if v is not None}))
         tokens = self._prompt_tokens(prompt)
         rng = np.random.default_rng(req.seed)
         name, drafter = self._drafter(req, rng, len(tokens))

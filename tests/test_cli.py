@@ -81,3 +81,29 @@ def test_help_explains_flags():
                  "--min-p", "--repeat-penalty", "--seed", "--max-tokens", "--n-ctx", "--threads",
                  "--n-gpu-layers", "--exact", "--chat", "--json", "--flash-attn", "--type-k"):
         assert flag in r.stdout
+
+
+def test_check_compatible_and_incompatible_pairs(smol_path, qwen_paths):
+    good = localspec("check", *qwen_paths)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.count("pass ") == 5 and "compatible" in good.stdout
+    bad = localspec("check", qwen_paths[0], smol_path)
+    assert bad.returncode == 1
+    assert "FAIL  vocab size difference <= 128" in bad.stdout
+    assert "first difference at token 5" in bad.stdout
+
+
+def test_named_pair_loads_with_its_recommended_settings(smol_path):
+    import localspec as ls
+
+    with ls.load(pair="smollm2-self") as llm:
+        assert llm.name == "smollm2-self"
+        r = llm.generate("The capital of France is", max_tokens=8, temperature=0)
+        assert r.stats.drafter == "model" and r.stats.k == 4
+        assert llm.target.n_ctx == 2048
+
+
+def test_memory_check_refuses_what_cannot_fit(smol_path):
+    r = localspec("generate", "hi", "--target", smol_path, "--n-ctx", "4000000")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--n-ctx" in r.stderr and "--no-memory-check" in r.stderr
