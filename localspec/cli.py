@@ -132,6 +132,85 @@ def generate(prompt, chat, system, as_json, **kw):
             click.echo(stream.stats.line(), err=True)
 
 
+@cli.command()
+@model_options
+@generation_options
+@click.option("--system", help="System prompt.")
+@click.option("--show-draft", is_flag=True, help="Colour the tokens that came from the draft (also /draft on|off).")
+def chat(system, show_draft, **kw):
+    """Chat in the terminal: streamed replies, history, slash commands (/help lists them).
+
+    Each turn prefills only the tokens that are new since the last one. When stdin is not a terminal, each
+    line is one message and the replies go to stdout (stats to stderr).
+    """
+    from .chat_repl import run
+
+    load_kw, gen_kw = split_options(kw)
+    make_request(**{k: v for k, v in gen_kw.items() if v is not None})  # fail before loading models
+    with load_engine(load_kw) as llm:
+        run(llm, gen_kw, system=system, show_draft=show_draft)
+
+
+@cli.command()
+@model_options
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False),
+              help="JSONL file of prompts (id, kind, messages); default: the set shipped with localspec.")
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--methods", default="none,model,ngram,hybrid,auto,peer-2,peer-10", show_default=True,
+              help="Comma-separated: none (plain), model, ngram, hybrid, auto, and llama-cpp-python's "
+                   "LlamaPromptLookupDecoding as peer-2 / peer-10 (num_pred_tokens).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Draw ratios by prompt kind and method to this PNG (needs the 'plot' extra).")
+def bench(prompts, max_tokens, methods, json_path, plot_path, **kw):
+    """Speed of each drafter against plain decoding on this machine, side by side in one run (greedy)."""
+    import json
+
+    from . import bench as b
+
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in b.METHODS]
+    if unknown:
+        raise click.UsageError(f"unknown method {unknown[0]!r}; choose from {', '.join(b.METHODS)}")
+    load_kw, _ = split_options(kw)
+    rows_in = b.load_prompts(prompts)
+    with load_engine(load_kw) as llm:
+        if llm.draft is None:
+            names = [m for m in names if m not in ("model", "hybrid")]
+        rows = b.run(llm, rows_in, methods=names, max_tokens=max_tokens, n_threads=load_kw.get("n_threads"),
+                     log=lambda s: click.echo(s, err=True))
+    click.echo(b.table(rows))
+    if json_path:
+        Path(json_path).write_text(json.dumps(b.to_json(rows), indent=1))
+    if plot_path:
+        b.plot(rows, plot_path)
+
+
+@cli.command()
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback: this machine only).")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 requests "
+              "(or set LOCALSPEC_API_KEY).")
+@click.option("--cors", multiple=True, metavar="ORIGIN", help="Let web pages from ORIGIN call the API ('*': any); "
+              "repeatable. Off by default.")
+@click.option("--queue-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests that may wait behind the running one; beyond that: 503 with Retry-After.")
+def serve(host, port, api_key, cors, queue_size, **kw):
+    """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+    One request generates at a time, in arrival order. Needs the server extra: pip install 'localspec[server]'.
+    """
+    try:
+        from . import server
+    except ModuleNotFoundError as e:
+        raise click.UsageError(f"`localspec serve` needs the server extra ({e.name} is missing): "
+                               "pip install 'localspec[server]'") from None
+    load_kw, _ = split_options(kw)
+    with load_engine(load_kw) as llm:
+        server.serve(llm, host=host, port=port, api_key=api_key, cors=cors, queue_size=queue_size)
+
+
 # ---- registry commands (pull, models, check) ----
 @cli.command()
 @click.argument("name", required=False)

@@ -45,15 +45,19 @@ class NgramDrafter:
     def __init__(self, n_min: int = 2, n_max: int = 4):
         self.n_min, self.n_max = n_min, n_max
 
-    def propose(self, context: Sequence[int], n: int) -> Draft:
-        ctx = np.asarray(context, dtype=np.int64)
+    def lookup(self, context: Sequence[int], n: int) -> tuple[int, list[int]]:
+        """(size of the n-gram matched, up to n tokens that followed it), or (0, []) when nothing matches."""
+        ctx = np.asarray(context, dtype=np.int32)
         for size in range(min(self.n_max, len(ctx) - 1), self.n_min - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], size)
             hits = np.flatnonzero((windows == ctx[-size:]).all(axis=1))
             if hits.size:
                 start = hits[-1] + size  # the latest match's continuation
-                return Draft(ctx[start:start + n].tolist())
-        return EMPTY
+                return size, ctx[start:start + n].tolist()
+        return 0, []
+
+    def propose(self, context: Sequence[int], n: int) -> Draft:
+        return Draft(self.lookup(context, n)[1])
 
 
 class ModelDrafter:
@@ -103,3 +107,102 @@ class HybridDrafter:
     def propose(self, context: Sequence[int], n: int) -> Draft:
         d = self.ngram.propose(context, n)
         return d if d.tokens else self.model.propose(context, n)
+
+
+class AcceptanceStats:
+    """Per-position conditional acceptance rates, a[i] = P(token i accepted | tokens before it accepted).
+
+    Smoothed towards a prior with `weight` pseudo-observations, and forgetting old rounds geometrically so
+    the estimate follows the text (code being quoted, then prose).
+    """
+
+    def __init__(self, k_max: int, prior: float, weight: float = 2.0, decay: float = 0.99):
+        self.tried, self.accepted = np.zeros(k_max), np.zeros(k_max)
+        self.prior, self.weight, self.decay = prior, weight, decay
+
+    def update(self, n_tried: int, n_accepted: int) -> None:
+        self.tried *= self.decay
+        self.accepted *= self.decay
+        self.tried[:n_tried] += 1
+        self.accepted[:n_accepted] += 1
+
+    def rates(self, n: int) -> np.ndarray:
+        return (self.accepted[:n] + self.weight * self.prior) / (self.tried[:n] + self.weight)
+
+
+class AutoState:
+    """What the auto drafter has learned about this engine's models; kept across requests."""
+
+    def __init__(self, costs, k_max: int = 33):
+        self.costs = costs
+        # n-gram drafts are judged by the size of the match that produced them: longer matches predict better.
+        self.ngram = {size: AcceptanceStats(k_max, prior) for size, prior in ((1, 0.15), (2, 0.3), (3, 0.45), (4, 0.6))}
+        self.model = AcceptanceStats(k_max, 0.7)
+        self.probe_every, self.since_model = 64, 0
+
+
+def _best(rates: np.ndarray, costs, extra_per_token: float = 0.0) -> tuple[int, float]:
+    """(K, expected tokens per second) of the best draft length given per-position acceptance rates."""
+    expected = 1.0 + np.cumsum(np.cumprod(rates))  # tokens a round yields with K = 1..len(rates) drafts
+    ks = np.arange(1, len(rates) + 1)
+    speed = expected / (np.interp(ks + 1, costs.sizes, costs.verify) + extra_per_token * ks)
+    i = int(np.argmax(speed))
+    return i + 1, float(speed[i])
+
+
+class AutoDrafter:
+    """Each round, the drafter and K that maximise expected tokens per second on this machine, or nothing.
+
+    Expected speed of a K-token draft = (1 + sum over i <= K of a_1 * ... * a_i) / (verify(K + 1) + draft
+    cost), with verify and draft costs measured on this machine (calibrate.py) and acceptance rates a_i
+    learned as it goes. Plain decoding (1 / verify(1)) is always a candidate, so auto never speculates when
+    nothing is expected to beat it. N-gram lookups cost nothing, so every one is also scored against the
+    tokens that actually follow, whether it was drafted or not: the policy notices at once when the text
+    becomes predictable. The draft model is re-probed now and then, less often each time it loses.
+    """
+
+    def __init__(self, state: AutoState, ngram: NgramDrafter, model: ModelDrafter | None):
+        self.state, self.ngram, self.model = state, ngram, model
+        self.pending: list[tuple[int, list[int], AcceptanceStats]] = []  # (position, tokens, whose stats)
+
+    def _learn(self, context: Sequence[int]) -> None:
+        keep = []
+        for pos, tokens, stats in self.pending:
+            known = context[pos:pos + len(tokens)]
+            m = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), len(known))
+            if m < len(known) or len(known) == len(tokens):
+                stats.update(min(m + 1, len(tokens)), m)
+            else:
+                keep.append((pos, tokens, stats))
+        self.pending = keep
+
+    def propose(self, context: Sequence[int], n: int) -> Draft:
+        st, costs = self.state, self.state.costs
+        self._learn(context)
+        if n <= 0:
+            return EMPTY
+        best = ("none", 0, 1.0 / costs.verify_cost(1))
+        size, cont = self.ngram.lookup(context, n)
+        if cont:
+            self.pending.append((len(context), cont, st.ngram[min(size, 4)]))
+            k, speed = _best(st.ngram[min(size, 4)].rates(len(cont)), costs)
+            if speed > best[2]:
+                best = ("ngram", k, speed)
+        if self.model is not None and costs.draft is not None:
+            k, speed = _best(st.model.rates(n), costs, costs.draft)
+            st.since_model += 1
+            probe = st.since_model >= st.probe_every
+            if speed > best[2] or probe:
+                if probe and speed <= best[2]:
+                    st.probe_every = min(2 * st.probe_every, 4096)
+                best = ("model", k, speed)
+        name, k, _ = best
+        if name == "ngram":
+            return Draft(cont[:k])
+        if name == "model":
+            st.since_model = 0
+            d = self.model.propose(context, k)
+            if d.tokens:
+                self.pending.append((len(context), d.tokens, st.model))
+            return d
+        return EMPTY

@@ -16,13 +16,14 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import acceptance
-from .drafters import EMPTY, Draft, Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter
+from .drafters import (EMPTY, AutoDrafter, AutoState, Draft, Drafter, HybridDrafter, ModelDrafter, NgramDrafter,
+                       NoDrafter)
 from .errors import LocalspecError
 from .model import Model
+from .registry import DRAFTERS
 from .sampling import SamplingParams, choose, penalize, probs
 from .text import TextStream
 
-DRAFTERS = ("model", "ngram", "hybrid", "none")
 RULES = ("rejection", "greedy", "threshold")
 
 
@@ -103,16 +104,20 @@ def rewind(target: Model, n: int) -> None:
     target.truncate(n)
 
 
-def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt: Sequence[int], *, max_tokens: int, k: int,
-              rule: str, params: SamplingParams, rng: np.random.Generator, tau: float = 0.0) -> Iterator:
+def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt: Sequence[int], *, max_tokens: int,
+              k: int, rule: str, params: SamplingParams, rng: np.random.Generator, tau: float = 0.0,
+              prefill_draft: bool = True) -> Iterator:
     """The decoding loop. Yields Prefill, then per round a Round and its Tokens, then one Finish.
+
+    draft_model is the drafter's model, if any: prefilled with the prompt (unless prefill_draft is False,
+    for drafters that may never use it) and kept consistent when the consumer stops early.
 
     Invariant at the top of each round: target.tokens == context[:-1]; context[-1] is `pending`, the
     newest token, not yet evaluated by the target.
     """
     context = list(prompt)
     try:
-        yield prefill(target, draft_model, context)
+        yield prefill(target, draft_model if prefill_draft else None, context)
         produced = 0
         while True:
             room = target.n_ctx - len(context)  # positions left once pending is evaluated
@@ -295,7 +300,7 @@ class Request:
     seed: int | None = None
     drafter: str | None = None
     accept: str = "rejection"
-    k: int = 4
+    k: int | None = None  # draft tokens per round; under auto the upper bound. Default: 16 for auto, else 4
     p_min: float = 0.75
     threshold: float = 0.5
     stop: tuple[str, ...] = ()
@@ -303,7 +308,7 @@ class Request:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.k < 1:
+        if self.k is not None and self.k < 1:
             raise RequestError(f"k (draft tokens per round) must be at least 1, got {self.k}")
         if self.drafter is not None and self.drafter not in DRAFTERS:
             raise RequestError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
@@ -342,6 +347,7 @@ class Engine:
         self.target, self.draft = target, draft
         self.name = name or target.path.stem
         self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
+        self._auto: AutoState | None = None
 
     # -- prompts --
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
@@ -379,16 +385,28 @@ class Engine:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.target.n_vocab - 1})")
         return tokens
 
+    def auto_state(self) -> AutoState:
+        """What auto has learned on this engine; the first call measures this machine's costs (cached on disk)."""
+        if self._auto is None:
+            from .calibrate import load_or_measure
+            from .registry import home
+
+            self._auto = AutoState(load_or_measure(self.target, self.draft, home() / "calibration"))
+        return self._auto
+
     def _drafter(self, req: Request, rng: np.random.Generator, prompt_len: int) -> tuple[str, Drafter]:
-        name = req.drafter or ("model" if self.draft is not None else "ngram")
+        name = req.drafter or "auto"
         if name in ("model", "hybrid") and self.draft is None:
             raise RequestError(f"drafter {name!r} needs a draft model: load one (draft=PATH, --draft) "
-                               "or use drafter 'ngram' or 'none'")
+                               "or use drafter 'auto', 'ngram' or 'none'")
         if name == "none":
             return name, NoDrafter()
         if name == "ngram":
             return name, NgramDrafter()
-        model = ModelDrafter(self.draft, req.sampling, rng, p_min=req.p_min, prompt_len=prompt_len)
+        model = (ModelDrafter(self.draft, req.sampling, rng, p_min=req.p_min, prompt_len=prompt_len)
+                 if self.draft is not None else None)
+        if name == "auto":
+            return name, AutoDrafter(self.auto_state(), NgramDrafter(n_min=1), model)
         return name, model if name == "model" else HybridDrafter(NgramDrafter(), model)
 
     # -- generation --
@@ -404,11 +422,12 @@ class Engine:
         tokens = self._prompt_tokens(prompt)
         rng = np.random.default_rng(req.seed)
         name, drafter = self._drafter(req, rng, len(tokens))
-        uses_draft = name in ("model", "hybrid")
-        facts = speculate(self.target, self.draft if uses_draft else None, drafter, tokens,
-                          max_tokens=req.max_tokens, k=req.k, rule=req.accept, params=req.sampling, rng=rng,
-                          tau=req.threshold)
-        return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=req.k,
+        k = req.k or (16 if name == "auto" else 4)
+        # auto may never call the draft model (on a CPU it rarely pays): it catches up lazily if it does.
+        facts = speculate(self.target, None if name in ("none", "ngram") else self.draft, drafter, tokens,
+                          max_tokens=req.max_tokens, k=k, rule=req.accept, params=req.sampling, rng=rng,
+                          tau=req.threshold, prefill_draft=name != "auto")
+        return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
                       prompt_tokens=len(tokens))
 
     def generate(self, prompt: str | Sequence[int], **options) -> Result:

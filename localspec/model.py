@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,7 @@ class Model:
         self.path = check_gguf(path)
         self.cfg = cfg
         self.tokens: list[int] = []
+        self.decode_s = 0.0  # total time inside llama_decode: profiles read it to find Python overhead
         self._model = self._ctx = self._batch = None
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = cfg.n_gpu_layers
@@ -256,7 +258,9 @@ class Model:
             if last and logits == "last":
                 self._b_logits[m - 1] = 1
             self._batch.n_tokens = m
+            t = time.perf_counter()
             rc = L.llama_decode(self._ctx, self._batch)
+            self.decode_s += time.perf_counter() - t
             if rc != 0:
                 self.truncate(len(self.tokens))  # drop whatever a failed decode may have left
                 if rc == 1:
@@ -286,8 +290,7 @@ class Model:
             keep += 1
         if logits:
             keep = min(keep, len(tokens) - 1)
-        if keep < len(self.tokens):
-            self.truncate(keep)
+        self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list
         return keep, self.decode(tokens[keep:], logits="last" if logits else "none")
 
     def pos_max(self) -> int:

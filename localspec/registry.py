@@ -59,9 +59,9 @@ class PairSpec:
     name: str
     target: str
     draft: str
-    drafter: str = "model"
-    k: int = 4
-    p_min: float = 0.5
+    drafter: str = "auto"
+    k: int = 16
+    p_min: float = 0.75
     n_ctx: int = 4096
 
 
@@ -125,8 +125,8 @@ def _record(cls, data: object, where: str, **extra):
     return record
 
 
-# Drafter names the engine knows (localspec.engine.DRAFTERS; registry sits below the engine, so repeated here).
-DRAFTERS = ("model", "ngram", "hybrid", "none")
+# Drafter names the engine knows (the engine imports them from here).
+DRAFTERS = ("auto", "model", "ngram", "hybrid", "none")
 _RULES = {
     ModelSpec: [("size", lambda v: v > 0, "must be positive"),
                   ("sha256", lambda v: len(v) == 64 and all(c in "0123456789abcdef" for c in v),

@@ -18,7 +18,7 @@ def test_generate_streams_text_and_prints_stats(smol_path):
                   "--temperature", "0", "--max-tokens", "24")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
-    assert "tok/s" in r.stderr and "lossless" in r.stderr and "drafter model" in r.stderr
+    assert "tok/s" in r.stderr and "lossless" in r.stderr and "drafter auto" in r.stderr
 
 
 def test_generate_json_from_stdin(smol_path):
@@ -99,7 +99,7 @@ def test_named_pair_loads_with_its_recommended_settings(smol_path):
     with ls.load(pair="smollm2-self") as llm:
         assert llm.name == "smollm2-self"
         r = llm.generate("The capital of France is", max_tokens=8, temperature=0)
-        assert r.stats.drafter == "model" and r.stats.k == 4
+        assert r.stats.drafter == "auto" and r.stats.k == 16
         assert llm.target.n_ctx == 2048
 
 
@@ -107,3 +107,25 @@ def test_memory_check_refuses_what_cannot_fit(smol_path):
     r = localspec("generate", "hi", "--target", smol_path, "--n-ctx", "4000000")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--n-ctx" in r.stderr and "--no-memory-check" in r.stderr
+
+
+def test_bench_end_to_end_json(smol_path, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "kind": k, "messages": [{"role": "user", "content": c}]})
+                                 for i, (k, c) in enumerate([("generate", "Write a haiku about the sea."),
+                                                             ("edit", "Repeat exactly: alpha beta gamma delta")])))
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "localspec.cli", "bench", "--target", str(smol_path), "--draft",
+                        str(smol_path), "--prompts", str(prompts), "--max-tokens", "16", "--json", str(out),
+                        "--n-ctx", "1024"], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, LOCALSPEC_HOME=str(tmp_path / "home")))
+    assert r.returncode == 0, r.stderr
+    assert "| prompt | plain | model | ngram | hybrid | auto | peer-2 | peer-10 |" in r.stdout
+    data = json.loads(out.read_text())
+    assert [p["id"] for p in data["prompts"]] == ["p0", "p1"]
+    for p in data["prompts"]:
+        assert set(p["methods"]) == {"none", "model", "ngram", "hybrid", "auto", "peer-2", "peer-10"}
+        for m in p["methods"].values():
+            assert {"tps", "ratio", "acceptance", "mean_accepted", "same_as_plain", "outside_decode"} <= set(m)
+        assert p["methods"]["none"]["ratio"] == 1.0
+    assert set(data["geomean_ratio"]) == set(data["prompts"][0]["methods"])
