@@ -26,10 +26,20 @@ def model_options(f):
         click.option("--n-ctx", type=int, help="Context size of each model (default: the pair's, else 4096)."),
         click.option("--threads", "n_threads", type=int, help="CPU threads (default: all cores up to 4, else half)."),
         click.option("--n-gpu-layers", type=int, default=0, show_default=True, help="Target layers on the GPU; -1 = all."),
-        click.option("--n-gpu-layers-draft", type=int, help="Draft layers on the GPU (default: as the target)."),
         click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True),
         click.option("--type-k", default="f16", show_default=True, help="KV cache type of keys (f16, q8_0, q4_0, ...)."),
-        click.option("--type-v", default="f16", show_default=True, help="KV cache type of values."),
+        click.option("--type-v", default="f16", show_default=True,
+                     help="KV cache type of values (a quantized V cache needs flash attention)."),
+        click.option("--n-ctx-draft", type=int, help="Draft model's context size (default: as the target)."),
+        click.option("--threads-draft", "n_threads_draft", type=int, help="Draft model's threads (default: as the target)."),
+        click.option("--n-gpu-layers-draft", type=int, help="Draft layers on the GPU (default: as the target)."),
+        click.option("--flash-attn-draft", type=click.Choice(["auto", "on", "off"]), help="Default: as the target."),
+        click.option("--type-k-draft", help="Draft KV cache type of keys (default: as the target)."),
+        click.option("--type-v-draft", help="Draft KV cache type of values (default: as the target)."),
+        click.option("--target-kwarg", "target_kwargs", multiple=True, metavar="KEY=VALUE",
+                     help="Any other llama_model_params / llama_context_params field for the target; repeatable."),
+        click.option("--draft-kwarg", "draft_kwargs", multiple=True, metavar="KEY=VALUE",
+                     help="The same for the draft model; repeatable."),
         click.option("--exact", is_flag=True, help="No CPU weight repacking: batched logits equal single-token logits "
                      "(speculative greedy output then equals plain output token for token; ~25% slower)."),
         click.option("--no-memory-check", "memory_check", flag_value=False, default=True,
@@ -72,13 +82,38 @@ def generation_options(f):
     return f
 
 
-_LOAD_KEYS = ("pair", "target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "n_gpu_layers_draft", "flash_attn",
-              "type_k", "type_v", "exact", "memory_check", "allow_mirror", "verbose")
+_LOAD_KEYS = ("pair", "target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v",
+              "n_ctx_draft", "n_threads_draft", "n_gpu_layers_draft", "flash_attn_draft", "type_k_draft",
+              "type_v_draft", "target_kwargs", "draft_kwargs", "exact", "memory_check", "allow_mirror", "verbose")
+
+
+def _kwarg_value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    raise click.BadParameter(f"{text!r} is not a number or true/false")
+
+
+def parse_kwargs(items) -> dict:
+    """KEY=VALUE flags -> {key: int | float | bool}."""
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = _kwarg_value(value.strip())
+    return out
 
 
 def split_options(kw: dict) -> tuple[dict, dict]:
     """(load() keywords, generate() keywords) from a command's parsed flags."""
     load_kw = {k: kw.pop(k) for k in _LOAD_KEYS if k in kw}
+    for key in ("target_kwargs", "draft_kwargs"):
+        load_kw[key] = parse_kwargs(load_kw.get(key))
     kw["stop"] = list(kw.get("stop") or ())
     return load_kw, kw
 

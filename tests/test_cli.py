@@ -59,6 +59,8 @@ BAD = {
     "top_p > 1": (["--target", "{smol}", "--top-p", "1.5", "hi"], "top_p"),
     "top_p = 0": (["--target", "{smol}", "--top-p", "0", "hi"], "top_p"),
     "model drafter without draft": (["--target", "{smol}", "--drafter", "model", "hi"], "needs a draft model"),
+    "unknown llama.cpp setting": (["--target", "{smol}", "--target-kwarg", "n_gpu_layerz=1", "hi"],
+                                  "unknown llama.cpp setting 'n_gpu_layerz'"),
 }
 
 
@@ -79,7 +81,9 @@ def test_help_explains_flags():
     assert r.returncode == 0
     for flag in ("--drafter", "--accept", "-k", "--p-min", "--threshold", "--temperature", "--top-p", "--top-k",
                  "--min-p", "--repeat-penalty", "--seed", "--max-tokens", "--n-ctx", "--threads",
-                 "--n-gpu-layers", "--exact", "--chat", "--json", "--flash-attn", "--type-k"):
+                 "--n-gpu-layers", "--exact", "--chat", "--json", "--flash-attn", "--type-k", "--type-v",
+                 "--n-ctx-draft", "--threads-draft", "--n-gpu-layers-draft", "--flash-attn-draft", "--type-k-draft",
+                 "--type-v-draft", "--target-kwarg", "--draft-kwarg", "--pair", "--no-memory-check"):
         assert flag in r.stdout
 
 
