@@ -243,6 +243,8 @@ def serve(host, port, api_key, cors, queue_size, **kw):
                                "pip install 'localspec[server]'") from None
     load_kw, _ = split_options(kw)
     with load_engine(load_kw) as llm:
+        if llm.defaults.get("drafter", "auto") == "auto":
+            llm.auto_state()  # measure costs now (once per machine) rather than inside the first request
         server.serve(llm, host=host, port=port, api_key=api_key, cors=cors, queue_size=queue_size)
 
 

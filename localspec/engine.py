@@ -308,6 +308,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RequestError(f"seed must be a non-negative integer, got {self.seed}")
         if self.k is not None and self.k < 1:
             raise RequestError(f"k (draft tokens per round) must be at least 1, got {self.k}")
         if self.drafter is not None and self.drafter not in DRAFTERS:
@@ -415,7 +417,7 @@ class Engine:
 
         prompt: text (special tokens such as <|im_start|> are recognised) or token ids.
         options: max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
-        presence_penalty, seed, drafter ('model', 'ngram', 'hybrid', 'none'), accept ('rejection',
+        presence_penalty, seed, drafter ('auto', 'model', 'ngram', 'hybrid', 'none'), accept ('rejection',
         'greedy', 'threshold'), k, p_min, threshold, stop.
         """
         req = make_request(**(self.defaults | {k: v for k, v in options.items() if v is not None}))

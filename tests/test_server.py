@@ -1,0 +1,336 @@
+"""`localspec serve` as desktop apps meet it: a live server on loopback, the official `openai` client.
+
+Real SmolLM2 as its own draft, exact mode, temperature 0: a correct answer is what a fresh engine answers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+KEY = "sk-local-test"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+COUNTING = "1, 2, 3, 4, 5, 6,"  # SmolLM2 keeps counting: a generation as long as max_tokens
+
+
+class Server:
+    """`python -m localspec.cli serve` in a subprocess on a free loopback port, its output in a log file."""
+
+    def __init__(self, model_path, log_path, *args):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "localspec.cli", "serve", "--target", model_path, "--draft", model_path,
+                 "--n-ctx", "1024", "--exact", "--port", str(self.port), *args],
+                stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, NO_COLOR="1"))
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not come up:\n{self.output()}")
+            time.sleep(0.2)
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def wait_idle(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        while self.health()["busy"]:
+            assert time.monotonic() - t0 < timeout, "the server is still generating"
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(smol_path, tmp_path_factory):
+    s = Server(smol_path, tmp_path_factory.mktemp("server") / "server.log", "--api-key", KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def small_server(smol_path, tmp_path_factory):
+    """One waiting request at most; CORS for one origin."""
+    s = Server(smol_path, tmp_path_factory.mktemp("small") / "server.log", "--queue-size", "1",
+               "--cors", "https://app.example")
+    yield s
+    s.stop()
+
+
+def chat_answer(llm, messages, n: int) -> str:
+    return llm.generate(llm.chat_tokens(messages), temperature=0, max_tokens=n).text
+
+
+def stats_of(obj) -> dict:
+    return obj.model_extra["localspec"]
+
+
+# ---- answers ----
+def test_models_lists_the_target_stem(server):
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+
+
+def test_chat(server, smol_engine):
+    r = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24,
+                                                extra_body={"localspec": {"drafter": "model", "k": 3}})
+    assert r.choices[0].message.content == chat_answer(smol_engine, MESSAGES, 24)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    st = stats_of(r)
+    assert (st["drafter"], st["k"], st["lossless"]) == ("model", 3, True)
+    assert st["drafted"] > 0 and r.usage.completion_tokens == st["generated"]
+
+
+def test_chat_stream(server, smol_engine):
+    chunks = list(server.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, stream=True, user="someone",
+        stream_options={"include_usage": True}, extra_body={"localspec": {"drafter": "ngram"}}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == chat_answer(smol_engine, MESSAGES, 24)
+    last = chunks[-1]
+    assert last.choices[0].finish_reason in ("stop", "length") and last.usage.completion_tokens > 0
+    assert stats_of(last)["drafter"] == "ngram" and "gen_tps" in stats_of(last)
+
+
+def test_completions(server, smol_engine):
+    prompt = "The three primary colors are"
+    expected = smol_engine.generate(prompt, temperature=0, max_tokens=12).text
+    r = server.client().completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "length"
+    assert stats_of(r)["generated"] == 12
+    chunks = list(server.client().completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                                     stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length" and stats_of(chunks[-1])["generated"] == 12
+
+
+def test_four_concurrent_clients_each_get_a_complete_correct_answer(server, smol_engine):
+    questions = ["Name a fruit.", "What is 2+2?", "Say hello in French.", "What color is the sky?"]
+
+    def ask(i: int) -> str:
+        messages = [{"role": "user", "content": questions[i]}]
+        if i % 2:  # half of them stream
+            chunks = server.client().chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                             max_tokens=20, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in chunks)
+        return server.client().chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                       max_tokens=20).choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    expected = [chat_answer(smol_engine, [{"role": "user", "content": q}], 20) for q in questions]
+    assert answers == expected
+    print("\nconcurrent answers:", json.dumps(answers))
+
+
+def test_second_turn_prefills_only_the_new_tokens(server, smol_engine):
+    client = server.client()
+    turn1 = [{"role": "system", "content": "You are a terse geography tutor."},
+             {"role": "user", "content": "What is the capital of Italy?"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=turn1, temperature=0, max_tokens=16)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And of Spain?"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=turn2, temperature=0, max_tokens=16)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached == stats_of(r2)["prompt_reused"] > r1.usage.prompt_tokens // 2  # turn 1 is reused
+    # at most the tokens added since turn 1's prompt (the reply, the new message): turn 1 is not redone
+    assert stats_of(r2)["prompt_prefilled"] <= r2.usage.prompt_tokens - r1.usage.prompt_tokens + 1
+    assert r2.choices[0].message.content == chat_answer(smol_engine, turn2, 16)
+
+
+# ---- one engine, many clients ----
+def test_health_answers_during_a_generation(server):
+    stream = server.client().completions.create(model=MODEL, prompt=COUNTING, temperature=0, max_tokens=1000,
+                                                stream=True)
+    next(iter(stream))
+    t0 = time.monotonic()
+    h = server.health()
+    assert time.monotonic() - t0 < 2.0
+    assert h["status"] == "ok" and h["busy"] is True
+    stream.close()
+    server.wait_idle(5)
+
+
+def test_client_that_disconnects_stops_its_generation(server, smol_engine):
+    stream = server.client().completions.create(model=MODEL, prompt=COUNTING, temperature=0, max_tokens=1000,
+                                                stream=True)
+    pieces = [c.choices[0].text for c, _ in zip(stream, range(5))]
+    assert len(pieces) == 5
+    stream.close()
+    server.wait_idle(30)
+    # stopped within a round or two of the disconnect, far from its 1000 tokens
+    cancelled = [line for line in server.output().splitlines() if "completion (cancelled)" in line]
+    assert cancelled and int(cancelled[-1].split(": ")[-1].split()[0]) < 60
+    r = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16)
+    assert r.choices[0].message.content == chat_answer(smol_engine, MESSAGES, 16)
+
+
+def test_full_queue_answers_503_with_retry_after(small_server, smol_engine):
+    client = small_server.client(key="unused")
+    running = client.completions.create(model=MODEL, prompt=COUNTING, temperature=0, max_tokens=1000, stream=True)
+    next(iter(running))
+    waiting = {}
+    t = threading.Thread(target=lambda: waiting.update(r=client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while small_server.health()["queued"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+    assert e.value.response.json()["error"]["code"] == "queue_full"
+    running.close()
+    t.join(timeout=60)
+    assert waiting["r"].choices[0].message.content == chat_answer(smol_engine, MESSAGES, 8)
+
+
+def test_sigterm_during_a_generation_shuts_down_cleanly(smol_path, tmp_path):
+    s = Server(smol_path, tmp_path / "server.log")
+    stream = s.client().completions.create(model=MODEL, prompt=COUNTING, temperature=0, max_tokens=1000,
+                                           stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    t0 = time.monotonic()
+    rc = s.stop()
+    assert time.monotonic() - t0 < 20
+    assert rc in (0, -signal.SIGTERM), s.output()
+    assert "Traceback" not in s.output() and "completion (cancelled)" in s.output()
+    with pytest.raises(openai.APIError, match="shutting down"):  # the stream ends with an error event
+        list(chunks)
+
+
+# ---- security ----
+def test_api_key_is_required(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_cors_only_for_the_named_origin(server, small_server):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(f"{small_server.url}/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.get(f"{small_server.url}/v1/models", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
+                                                      "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+# ---- bad input: a 4xx with an OpenAI error object, and the server keeps serving ----
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+OK_CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+LONG = "word " * 1500  # > n_ctx 1024 tokens
+BAD = {
+    "invalid JSON": (CHAT, b'{"messages": [', 400, None),
+    "NaN is not JSON": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, None),
+    "body not an object": (CHAT, [1, 2], 400, None),
+    "missing messages": (CHAT, {"model": MODEL}, 400, "messages"),
+    "messages not an array": (CHAT, OK_CHAT | {"messages": "hi"}, 400, "messages"),
+    "message without role": (CHAT, OK_CHAT | {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    "content a number": (CHAT, OK_CHAT | {"messages": [{"role": "user", "content": 5}]}, 400,
+                         "messages[0].content"),
+    "image content": (CHAT, OK_CHAT | {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, "messages[0].content"),
+    "tool message": (CHAT, OK_CHAT | {"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}]},
+                     400, "messages[0]"),
+    "max_tokens a string": (CHAT, OK_CHAT | {"max_tokens": "ten"}, 400, "max_tokens"),
+    "max_tokens 0": (CHAT, OK_CHAT | {"max_tokens": 0}, 400, "max_tokens"),
+    "temperature negative": (CHAT, OK_CHAT | {"temperature": -1}, 400, "temperature"),
+    "temperature a bool": (CHAT, OK_CHAT | {"temperature": True}, 400, "temperature"),
+    "top_p above 1": (CHAT, OK_CHAT | {"top_p": 1.5}, 400, "top_p"),
+    "frequency_penalty above 2": (CHAT, OK_CHAT | {"frequency_penalty": 3}, 400, "frequency_penalty"),
+    "seed negative": (CHAT, OK_CHAT | {"seed": -1}, 400, "seed"),
+    "stop a number": (CHAT, OK_CHAT | {"stop": 5}, 400, "stop"),
+    "stream a string": (CHAT, OK_CHAT | {"stream": "yes"}, 400, "stream"),
+    "unknown model": (CHAT, OK_CHAT | {"model": "gpt-4o"}, 404, "model"),
+    "n above 1": (CHAT, OK_CHAT | {"n": 2}, 400, "n"),
+    "logprobs": (CHAT, OK_CHAT | {"logprobs": True}, 400, "logprobs"),
+    "tools": (CHAT, OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    "json response_format": (CHAT, OK_CHAT | {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    "unknown field": (CHAT, OK_CHAT | {"frobnicate": 1}, 400, "frobnicate"),
+    "localspec k 0": (CHAT, OK_CHAT | {"localspec": {"k": 0}}, 400, "localspec.k"),
+    "localspec unknown drafter": (CHAT, OK_CHAT | {"localspec": {"drafter": "magic"}}, 400, "localspec.drafter"),
+    "localspec unknown option": (CHAT, OK_CHAT | {"localspec": {"speed": "max"}}, 400, "localspec.speed"),
+    "chat prompt too long": (CHAT, OK_CHAT | {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    "missing prompt": (COMPLETIONS, {"model": MODEL}, 400, "prompt"),
+    "empty prompt": (COMPLETIONS, OK_COMPLETION | {"prompt": ""}, 400, "prompt"),
+    "batch of prompts": (COMPLETIONS, OK_COMPLETION | {"prompt": ["a", "b"]}, 400, "prompt"),
+    "token id outside the vocabulary": (COMPLETIONS, OK_COMPLETION | {"prompt": [1, 10**7]}, 400, "prompt"),
+    "prompt too long": (COMPLETIONS, OK_COMPLETION | {"prompt": LONG}, 400, "prompt"),
+    "echo": (COMPLETIONS, OK_COMPLETION | {"echo": True}, 400, "echo"),
+    "messages to /v1/completions": (COMPLETIONS, OK_COMPLETION | {"messages": MESSAGES}, 400, "messages"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_request_gets_4xx_error_object(server, case):
+    path, body, status, param = BAD[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    if "too long" in case:
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_unknown_route_and_method_get_error_objects(server):
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_server_keeps_serving_after_bad_input(server, smol_engine):
+    assert server.proc.poll() is None and server.health()["status"] == "ok"
+    r = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
+    assert r.choices[0].message.content == chat_answer(smol_engine, MESSAGES, 8)
+    assert "Traceback" not in server.output()
