@@ -40,8 +40,9 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     Each setting has a `*_draft` twin for the draft model that defaults to the target's value.
     n_gpu_layers: layers offloaded to the GPU (CUDA/Metal builds of llama-cpp-python); -1 offloads all.
     flash_attn: 'auto', 'on' or 'off'. type_k/type_v: KV cache type ('f16', 'q8_0', 'q4_0', ...).
-    exact: turn off CPU weight repacking so batched and single-token logits are bit-identical
-    (speculative greedy output then equals plain greedy output token for token; plain decode is ~25% slower).
+    exact: turn off CPU weight repacking and use 32-token physical batches, so batched and single-token
+    logits are bit-identical (speculative greedy output then equals plain greedy output token for token, and
+    a reused prefix gives the same logits as a fresh prefill); plain decode is ~25% slower.
     target_kwargs/draft_kwargs: any other llama_model_params / llama_context_params field by name.
     memory_check: refuse to load, saying what to lower, when the models clearly cannot fit in memory.
     verbose: show llama.cpp's own log output and the memory estimate.

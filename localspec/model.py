@@ -143,6 +143,10 @@ class Model:
         threads = cfg.n_threads or default_threads()
         cp.n_ctx = cfg.n_ctx
         cp.n_batch = cp.n_ubatch = min(cfg.n_ctx, 512)
+        if cfg.exact:
+            # CPU matmuls switch kernels at 64-row batches: smaller physical batches keep a prompt prefilled in
+            # one go bit-identical to the same tokens decoded a few at a time (multi-turn chat, prefix reuse).
+            cp.n_ubatch = 32
         cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type = FLASH_ATTN[cfg.flash_attn]
         cp.type_k, cp.type_v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]

@@ -1,0 +1,450 @@
+"""`localspec chat`: a terminal chat over Engine.stream.
+
+The conversation is a list of OpenAI-style messages. Each turn renders all of it with the target's chat
+template and hands the tokens to the engine, which prefills only what its caches do not already hold, so a
+turn costs its new tokens, not the whole conversation. An interrupted reply stays in the conversation as
+far as it got, marked `interrupted: true` beside role and content, never inside the text the model sees.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+from .chat import ChatError
+from .engine import Engine, Request, Stats, make_request
+from .errors import LocalspecError
+
+PROMPT, MORE = ">>> ", "... "
+DIM, DRAFT, WARN, RESET = "\x1b[2m", "\x1b[32m", "\x1b[33m", "\x1b[0m"
+ROLES = ("system", "user", "assistant")
+
+HELP = """\
+/help              this help
+/stats             session totals: tokens/s, acceptance, prompt tokens prefilled and reused
+/reset             forget the conversation (the system prompt stays)
+/system [TEXT]     show the system prompt, or replace it
+/set [KEY VALUE]   show the settings, or change one: {keys}
+                   (k is the most draft tokens per round; under the auto drafter, its upper bound)
+/draft on|off      colour the tokens that came from the draft
+/save FILE         write the conversation as JSON (OpenAI messages)
+/load FILE         read a conversation written by /save
+/exit              leave (also Ctrl-D, or Ctrl-C at an empty prompt)
+
+Multi-line messages: end a line with \\ to go on to the next, or press Esc then Enter for a new line.
+Ctrl-C during a reply stops it; the partial reply stays in the conversation.
+Start a message with // to send a line that begins with /."""
+
+
+def _seed(value: str) -> int | None:
+    return None if value.lower() == "none" else int(value)
+
+
+# /set KEY VALUE: how each value is read (the engine then validates it, as for the command-line flags)
+SETTINGS: dict[str, tuple[Callable[[str], object], str]] = {
+    "max_tokens": (int, "an integer"), "k": (int, "an integer"), "temperature": (float, "a number"),
+    "top_k": (int, "an integer"), "top_p": (float, "a number"), "min_p": (float, "a number"),
+    "repeat_penalty": (float, "a number"), "frequency_penalty": (float, "a number"),
+    "presence_penalty": (float, "a number"), "penalty_last_n": (int, "an integer"),
+    "seed": (_seed, "an integer or none"), "drafter": (str, "a drafter name"), "accept": (str, "a rule name"),
+    "p_min": (float, "a number"), "threshold": (float, "a number"),
+}
+
+
+# ---- conversation state ----
+def parse_messages(data: object) -> list[dict]:
+    """Messages from JSON: a list of {role, content[, interrupted]}, or an object with a "messages" list."""
+    if isinstance(data, dict) and "messages" in data:
+        data = data["messages"]
+    if not isinstance(data, list):
+        raise ChatError("expected a JSON list of messages (or an object with a \"messages\" list)")
+    out = []
+    for i, m in enumerate(data):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise ChatError(f"message {i} must be an object with role ({', '.join(ROLES)}) and string content, "
+                            f"got {json.dumps(m)[:80]}")
+        out.append({"role": m["role"], "content": m["content"]})
+        if m.get("interrupted"):
+            out[-1]["interrupted"] = True
+    return out
+
+
+def plain(messages: list[dict]) -> list[dict]:
+    """What the model sees: role and content only (the interruption mark stays out)."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class DoesNotFit(ChatError):
+    """Even the system prompt and the newest message alone are too long."""
+
+
+def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) -> int:
+    """Drop whole turns (a user message and what follows it) from the front until `fits(messages)`.
+
+    The system prompt and the newest user message always stay; returns the number of turns dropped, and
+    raises DoesNotFit when even those alone do not fit.
+    """
+    start = 1 if messages and messages[0]["role"] == "system" else 0
+    dropped = 0
+    while not fits(messages):
+        users = [i for i in range(start, len(messages)) if messages[i]["role"] == "user"]
+        if len(users) < 2 and not (users and users[0] > start):
+            raise DoesNotFit("the new message alone does not fit")
+        # everything before the second user turn (or before the only one, when replies precede it)
+        del messages[start:users[1] if users[0] == start else users[0]]
+        dropped += 1
+    return dropped
+
+
+class Conversation:
+    """The messages so far; an assistant message may carry `interrupted: True` beside role and content."""
+
+    def __init__(self, system: str | None = None):
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+
+    @property
+    def system(self) -> str | None:
+        return self.messages[0]["content"] if self.messages and self.messages[0]["role"] == "system" else None
+
+    def set_system(self, text: str) -> None:
+        if self.system is not None:
+            self.messages[0] = {"role": "system", "content": text}
+        else:
+            self.messages.insert(0, {"role": "system", "content": text})
+
+    def reset(self) -> None:
+        del self.messages[1 if self.system is not None else 0:]
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.messages, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    def load(self, path: Path) -> None:
+        self.messages = parse_messages(json.loads(path.read_text(encoding="utf-8")))
+
+
+@dataclass
+class Totals:
+    """Session totals over every reply, for /stats."""
+
+    replies: int = 0
+    interrupted: int = 0
+    generated: int = 0
+    gen_s: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    drafting_rounds: int = 0
+    prefilled: int = 0
+    reused: int = 0
+    dropped: int = 0
+
+    def add(self, s: Stats, *, interrupted: bool) -> None:
+        self.replies += 1
+        self.interrupted += interrupted
+        self.generated += s.generated
+        self.gen_s += s.gen_s
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.drafting_rounds += s.drafting_rounds
+        self.prefilled += s.prompt_prefilled
+        self.reused += s.prompt_reused
+
+    def line(self, context: int, n_ctx: int) -> str:
+        tps = self.generated / self.gen_s if self.gen_s > 0 else 0.0
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        mean = self.accepted / self.drafting_rounds if self.drafting_rounds else 0.0
+        return (f"{self.replies} replies ({self.interrupted} interrupted), {self.generated} tokens in "
+                f"{self.gen_s:.1f}s ({tps:.1f} tok/s); drafts {self.accepted}/{self.drafted} accepted ({rate:.0%}), "
+                f"{mean:.2f} per round; prompt {self.prefilled} prefilled, {self.reused} reused; "
+                f"{self.dropped} turns dropped; context {context}/{n_ctx} tokens")
+
+
+def stats_line(s: Stats, *, interrupted: bool = False) -> str:
+    """The dim line after each reply: speed, acceptance, mean accepted length, prompt prefilled/reused."""
+    parts = [f"{s.generated} tokens, {s.gen_tps:.1f} tok/s"]
+    if s.drafted:
+        parts.append(f"{s.drafter} drafts {s.accepted}/{s.drafted} accepted ({s.acceptance_rate:.0%}), "
+                     f"{s.mean_accepted:.2f} per round")
+    else:
+        parts.append(f"drafter {s.drafter}: nothing drafted")
+    parts.append(f"prompt {s.prompt_prefilled} prefilled, {s.prompt_reused} reused")
+    if interrupted:
+        parts.append("interrupted (the partial reply stays in the conversation)")
+    elif s.finish_reason == "length":
+        parts.append("cut at max_tokens (/set max_tokens N)")
+    return "; ".join(parts)
+
+
+# ---- terminal ----
+def _colour(stream: TextIO) -> bool:
+    return stream.isatty() and not os.environ.get("NO_COLOR")
+
+
+class Screen:
+    """Replies go to stdout; notes (stats, notices, hints) too in a terminal, else to stderr."""
+
+    def __init__(self, *, interactive: bool, show_draft: bool):
+        self.interactive, self.show_draft = interactive, show_draft
+        self.out, self.notes = sys.stdout, sys.stdout if interactive else sys.stderr
+        self.colour, self.notes_colour = _colour(self.out), _colour(self.notes)
+
+    def piece(self, text: str, from_draft: bool) -> None:
+        if text and from_draft and self.show_draft and self.colour:
+            text = DRAFT + text + RESET
+        self.out.write(text)
+        self.out.flush()
+
+    def end_reply(self, text: str) -> None:
+        if not text.endswith("\n"):
+            self.out.write("\n")
+        self.out.flush()
+
+    def note(self, text: str, style: str = DIM) -> None:
+        print(style + text + RESET if style and self.notes_colour else text, file=self.notes, flush=True)
+
+    def hint(self, text: str) -> None:
+        self.note(text, WARN)
+
+
+class Prompt:
+    """Interactive input: prompt_toolkit line editing, history under LOCALSPEC_HOME, multi-line messages."""
+
+    def __init__(self, history: Path):
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory
+        from prompt_toolkit.key_binding import KeyBindings
+
+        kb = KeyBindings()
+
+        @kb.add("enter")
+        def _enter(event):
+            buf = event.current_buffer
+            if buf.document.text_before_cursor.endswith("\\"):  # a trailing backslash continues the message
+                buf.delete_before_cursor(1)
+                buf.insert_text("\n")
+            else:
+                buf.validate_and_handle()
+
+        @kb.add("escape", "enter")
+        def _newline(event):
+            event.current_buffer.insert_text("\n")
+
+        @kb.add("c-c")
+        def _clear_or_quit(event):  # Ctrl-C clears a half-typed message; at an empty prompt it quits
+            if event.current_buffer.text:
+                event.current_buffer.reset()
+            else:
+                event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
+
+        history.parent.mkdir(parents=True, exist_ok=True)
+        self.session = PromptSession(history=FileHistory(str(history)), key_bindings=kb, multiline=True,
+                                     prompt_continuation=MORE)
+
+    def read(self) -> str | None:
+        try:
+            return self.session.prompt(PROMPT)
+        except EOFError:
+            return None
+
+
+class Lines:
+    """Input that is not a terminal: one message per line (a trailing backslash continues it)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def read(self) -> str | None:
+        parts = []
+        while line := self.stream.readline():
+            line = line.rstrip("\r\n")
+            if not line.endswith("\\"):
+                return "\n".join([*parts, line])
+            parts.append(line[:-1])
+        return "\n".join(parts) if parts else None
+
+
+# ---- the chat ----
+class Chat:
+    """The conversation, the generation settings and the slash commands, over one engine."""
+
+    def __init__(self, llm: Engine, options: dict, screen: Screen, *, system: str | None = None):
+        self.llm, self.screen = llm, screen
+        self.options = {k: v for k, v in options.items() if v is not None and v != []}
+        self.conv, self.totals = Conversation(system), Totals()
+        self.commands = {"help": self.help, "stats": self.stats, "reset": self.reset, "system": self.system,
+                         "set": self.set, "draft": self.draft, "save": self.save, "load": self.load}
+
+    def request(self, options: dict | None = None) -> Request:
+        return make_request(**(self.llm.defaults | (self.options if options is None else options)))
+
+    def handle(self, line: str) -> bool:
+        """Act on one input: a message or a slash command. False means leave."""
+        if not line.strip():
+            return True
+        if line.startswith("/") and not line.startswith("//"):
+            name, arg = (line[1:].split(None, 1) + ["", ""])[:2]
+            if name in ("exit", "quit"):
+                return False
+            if name not in self.commands:
+                close = difflib.get_close_matches(name, [*self.commands, "exit"], n=1)
+                self.screen.hint(f"unknown command /{name}: {f'did you mean /{close[0]}? ' if close else ''}/help "
+                                 "lists the commands (start a message with // to send a line beginning with /)")
+            else:
+                self.commands[name](arg.strip())
+            return True
+        self.ask(line[1:] if line.startswith("//") else line)
+        return True
+
+    def prompt(self, text: str) -> tuple[list[dict], int, list[int]]:
+        """The conversation plus the new message, the turns dropped so it fits in n_ctx, and its tokens."""
+        n_ctx = self.llm.target.n_ctx
+        room = min(self.request().max_tokens, n_ctx // 2)  # kept free for the reply
+        messages = self.conv.messages + [{"role": "user", "content": text}]
+        try:
+            dropped = drop_oldest_turns(messages, lambda m: len(self.llm.chat_tokens(plain(m))) + room <= n_ctx)
+        except DoesNotFit:
+            raise DoesNotFit(f"this message and room for a {room}-token reply do not fit in n_ctx={n_ctx}: "
+                             "shorten it, lower max_tokens (/set max_tokens N) or restart chat with a larger "
+                             "--n-ctx") from None
+        return messages, dropped, self.llm.chat_tokens(plain(messages))
+
+    def ask(self, text: str) -> None:
+        """One turn: stream the reply; Ctrl-C stops it and keeps what came so far."""
+        messages, dropped, tokens = self.prompt(text)
+        stream = self.llm.stream(tokens, **self.options)
+        events = iter(stream)
+        self.conv.messages = messages
+        if dropped:
+            self.totals.dropped += dropped
+            self.screen.hint(f"dropped the oldest {dropped} turn{'s' if dropped > 1 else ''} "
+                             f"to fit n_ctx={self.llm.target.n_ctx}")
+        parts, interrupted = [], True
+        try:
+            for ev in events:
+                parts.append(ev.text)
+                self.screen.piece(ev.text, ev.from_draft)
+            interrupted = False
+        except KeyboardInterrupt:
+            if not self.screen.interactive:
+                raise
+        finally:
+            events.close()  # the engine's cleanup puts both KV caches back in line with their token lists
+            reply = {"role": "assistant", "content": "".join(parts)} | ({"interrupted": True} if interrupted else {})
+            self.conv.messages.append(reply)
+            self.screen.end_reply(reply["content"])
+            if stream.stats is not None:
+                self.totals.add(stream.stats, interrupted=interrupted)
+                self.screen.note(stats_line(stream.stats, interrupted=interrupted))
+
+    # -- slash commands --
+    def help(self, arg: str) -> None:
+        self.screen.note(HELP.format(keys=", ".join(SETTINGS)), "")
+
+    def stats(self, arg: str) -> None:
+        self.screen.note(self.totals.line(len(self.llm.target.tokens), self.llm.target.n_ctx), "")
+
+    def reset(self, arg: str) -> None:
+        self.conv.reset()
+        self.screen.note("conversation cleared" + (" (the system prompt stays)" if self.conv.system else ""))
+
+    def system(self, arg: str) -> None:
+        if not arg:
+            self.screen.note(f"system prompt: {self.conv.system}" if self.conv.system is not None
+                             else "no system prompt (the chat template's default applies); /system TEXT sets one")
+            return
+        self.conv.set_system(arg)
+        self.screen.note("system prompt set")
+
+    def set(self, arg: str) -> None:
+        key, _, value = arg.partition(" ")
+        key, value = key.replace("-", "_"), value.strip()
+        if not key:
+            r = self.request()
+            shown = {k: getattr(r.sampling, k) if hasattr(r.sampling, k) else getattr(r, k) for k in SETTINGS}
+            self.screen.note(", ".join(f"{k}={'default' if v is None else v}" for k, v in shown.items()), "")
+            return
+        if key not in SETTINGS:
+            self.screen.hint(f"unknown setting {key!r}: one of {', '.join(SETTINGS)}")
+            return
+        read, kind = SETTINGS[key]
+        try:
+            v = read(value)
+        except ValueError:
+            self.screen.hint(f"{key} takes {kind}, got {value!r}: /set {key} VALUE")
+            return
+        if key == "drafter" and v in ("model", "hybrid") and self.llm.draft is None:
+            self.screen.hint(f"drafter {v!r} needs a draft model: restart chat with --draft PATH")
+            return
+        options = {k: x for k, x in (self.options | {key: v}).items() if x is not None}
+        try:
+            self.request(options)
+        except LocalspecError as e:
+            self.screen.hint(f"{e}; {key} unchanged")
+            return
+        self.options = options
+        self.screen.note(f"{key} = {'default' if v is None else v}")
+
+    def draft(self, arg: str) -> None:
+        if arg not in ("on", "off"):
+            self.screen.hint("usage: /draft on|off")
+            return
+        self.screen.show_draft = arg == "on"
+        if self.screen.show_draft and not self.screen.colour:
+            self.screen.hint("no colours here: output is not a terminal, or NO_COLOR is set")
+
+    def save(self, arg: str) -> None:
+        if not arg:
+            self.screen.hint("usage: /save FILE")
+            return
+        path = Path(arg).expanduser()
+        try:
+            self.conv.save(path)
+        except OSError as e:
+            self.screen.hint(f"cannot write {path}: {e.strerror or e}")
+            return
+        self.screen.note(f"saved {len(self.conv.messages)} messages to {path}")
+
+    def load(self, arg: str) -> None:
+        if not arg:
+            self.screen.hint("usage: /load FILE")
+            return
+        path = Path(arg).expanduser()
+        try:
+            self.conv.load(path)
+        except OSError as e:
+            self.screen.hint(f"cannot read {path}: {e.strerror or e}")
+        except (ValueError, ChatError) as e:  # json.JSONDecodeError is a ValueError
+            self.screen.hint(f"{path} is not a saved conversation: {e}")
+        else:
+            self.screen.note(f"loaded {len(self.conv.messages)} messages from {path}")
+
+
+def run(llm: Engine, options: dict, *, system: str | None = None, show_draft: bool = False) -> None:
+    """The chat loop: a REPL in a terminal, else one message per line of stdin with the replies on stdout."""
+    from .registry import home
+
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    screen = Screen(interactive=interactive, show_draft=show_draft)
+    chat = Chat(llm, options, screen, system=system)
+    reader = Prompt(home() / "chat_history") if interactive else Lines(sys.stdin)
+    if interactive:
+        screen.note(f"localspec chat with {llm.name}: /help lists the commands, Ctrl-D leaves")
+    while True:
+        try:
+            line = reader.read()
+        except KeyboardInterrupt:  # Ctrl-C at an empty prompt
+            return
+        if line is None:
+            return
+        try:
+            if not chat.handle(line):
+                return
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            screen.hint("interrupted")
+        except LocalspecError as e:
+            screen.hint(f"error: {e}")

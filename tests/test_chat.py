@@ -1,0 +1,236 @@
+"""`localspec chat` as a user meets it: the real program in a real pseudo-terminal, real SmolLM2 at T = 0.
+
+A correct reply is the one a fresh engine gives for the same conversation; the stats line says how much of
+each prompt was prefilled and how much came from the cache.
+"""
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pexpect
+import pytest
+
+import localspec
+from localspec.chat_repl import DoesNotFit, drop_oldest_turns, parse_messages
+
+N = 24  # max tokens per reply
+ANSI = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-B]|[=>])")
+STATS = re.compile(r"(\d+) tokens, [\d.]+ tok/s; .*?prompt (\d+) prefilled, (\d+) reused[^\r\n]*")
+PROMPT = ">>>"  # prompt_toolkit draws the trailing space as a cursor move
+
+# --exact makes a cached conversation answer exactly as a fresh engine does: besides turning off weight
+# repacking it keeps physical batches under 64 tokens, where llama.cpp's CPU kernels change path.
+
+
+def chat_args(smol, *extra, n_ctx=1024, max_tokens=N):
+    return ["-m", "localspec.cli", "chat", "--target", str(smol), "--draft", str(smol), "--drafter", "model",
+            "--exact", "--n-ctx", str(n_ctx),
+            "--temperature", "0", "--max-tokens", str(max_tokens), *extra]
+
+
+def fresh(smol, messages, *, max_tokens=N, n_ctx=1024):
+    """(reply, prompt tokens) of a freshly loaded engine for this conversation."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    with localspec.load(target=smol, draft=smol, n_ctx=n_ctx, exact=True) as llm:
+        tokens = llm.chat_tokens(msgs)
+        return llm.generate(tokens, temperature=0, max_tokens=max_tokens, drafter="model").text, len(tokens)
+
+
+def norm(text: str) -> str:
+    return " ".join(ANSI.sub("", text).replace("\r", "").split())
+
+
+@pytest.fixture
+def env(tmp_path):
+    return dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", NO_COLOR="1", TERM="xterm",
+                LOCALSPEC_HOME=str(tmp_path / "home"))
+
+
+def spawn(smol, env, *extra, **kw):
+    child = pexpect.spawn(sys.executable, chat_args(smol, *extra, **kw), env=env, encoding="utf-8",
+                          timeout=90, dimensions=(50, 250))
+    child.logfile_read = io.StringIO()
+    child.expect_exact(PROMPT)
+    return child
+
+
+def ask(child, text):
+    """Send a message; (what the terminal showed before the stats line, prefilled, reused)."""
+    child.sendline(text)
+    child.expect(STATS)
+    shown, m = child.before, child.match
+    child.expect_exact(PROMPT)
+    return shown, int(m.group(2)), int(m.group(3))
+
+
+def command(child, line):
+    """Send a line; what the terminal showed between its echo and the next prompt."""
+    child.sendline(line)
+    child.expect_exact("\r\n")  # prompt_toolkit redraws the prompt while echoing, then accepts the line
+    child.expect_exact(PROMPT)
+    return ANSI.sub("", child.before)
+
+
+def quit_with(child, key):
+    child.sendcontrol(key)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.logfile_read.getvalue()[-2000:]
+    assert "Traceback" not in child.logfile_read.getvalue()
+
+
+def test_replies_equal_a_fresh_engine_and_the_second_turn_reuses_the_cache(smol_path, env):
+    child = spawn(smol_path, env)
+    u1 = {"role": "user", "content": "What is the capital of France?"}
+    shown, p1, r1 = ask(child, u1["content"])
+    a1, n1 = fresh(smol_path, [u1])
+    assert norm(shown).endswith(norm(a1))
+    assert (p1, r1) == (n1 - 1, 0)  # all but the last prompt token are prefilled, nothing cached yet
+
+    u2 = {"role": "user", "content": "And of Italy?"}
+    shown, p2, r2 = ask(child, u2["content"])
+    a2, n2 = fresh(smol_path, [u1, {"role": "assistant", "content": a1}, u2])
+    assert norm(shown).endswith(norm(a2))
+    assert p2 + r2 == n2 - 1 and r2 >= n1 - 1 and p2 < n2 - n1  # only the new turn is prefilled
+
+    out = command(child, "/stats")
+    assert "2 replies (0 interrupted)" in out and f"prompt {p1 + p2} prefilled, {r2} reused" in out
+    quit_with(child, "d")
+
+
+def test_ctrl_c_keeps_the_partial_reply_and_the_chat_goes_on(smol_path, env, tmp_path):
+    child = spawn(smol_path, env, max_tokens=400)
+    u1 = {"role": "user", "content": "Write a long story about a brave knight and a dragon."}
+    start = fresh(smol_path, [u1], max_tokens=6)[0].strip().splitlines()[0][:10]
+    child.sendline(u1["content"])
+    child.expect_exact(start)  # the reply is streaming
+    child.sendcontrol("c")
+    child.expect(STATS)
+    assert "interrupted" in child.match.group(0)
+    generated = int(child.match.group(1))
+    assert generated < 400
+    child.expect_exact(PROMPT)
+    assert "max_tokens = 24" in command(child, "/set max_tokens 24")
+
+    u2 = {"role": "user", "content": "What is the knight's name?"}
+    shown, p2, r2 = ask(child, u2["content"])
+    assert r2 > 0
+    saved = tmp_path / "conv.json"
+    command(child, f"/save {saved}")
+    messages = json.loads(saved.read_text())
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    partial = messages[1]
+    assert partial["interrupted"] is True and set(partial) == {"role", "content", "interrupted"}
+    # the partial reply is what the model said up to the interrupt, with no marker in the text
+    assert partial["content"].lstrip().startswith(start)
+    assert fresh(smol_path, [u1], max_tokens=generated)[0].startswith(partial["content"])
+    assert "interrupted" not in messages[3]
+
+    a2, _ = fresh(smol_path, messages[:3])
+    assert messages[3]["content"] == a2 and norm(shown).endswith(norm(a2))
+    assert "1 interrupted" in command(child, "/stats")
+    quit_with(child, "c")  # Ctrl-C at an empty prompt leaves
+
+
+def test_save_load_round_trip_draft_colours_and_hints(smol_path, env, tmp_path):
+    del env["NO_COLOR"]
+    child = spawn(smol_path, env, "--show-draft")
+    assert "system prompt set" in command(child, "/system You answer in one short sentence.")
+    u1 = "Name a primary colour."
+    shown, _, _ = ask(child, u1)
+    assert "\x1b[32m" in shown  # draft tokens are coloured (the target drafts for itself: nearly all)
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert "saved 3 messages" in command(child, f"/save {a}")
+    command(child, "/reset")
+    assert "loaded 3 messages" in command(child, f"/load {a}")
+    command(child, f"/save {b}")
+    saved = json.loads(a.read_text())
+    assert saved == json.loads(b.read_text())
+    assert [m["role"] for m in saved] == ["system", "user", "assistant"] and saved[1]["content"] == u1
+    assert parse_messages(saved) == saved
+
+    u2 = {"role": "user", "content": "Another one?"}
+    shown, _, reused = ask(child, u2["content"])
+    assert norm(shown).endswith(norm(fresh(smol_path, saved + [u2])[0])) and reused > 0
+
+    (tmp_path / "bad.json").write_text('[{"role": "robot"}]')
+    (tmp_path / "notjson.json").write_text("{")
+    hints = {
+        "/frobnicate": "unknown command /frobnicate: /help",
+        "/set k abc": "k takes an integer",
+        "/set temperature -1": "temperature",
+        "/set nosuch 3": "unknown setting 'nosuch'",
+        "/set drafter psychic": "drafter must be one of",
+        "/draft maybe": "usage: /draft on|off",
+        "/save": "usage: /save FILE",
+        "/load /nonexistent/conv.json": "cannot read",
+        f"/load {tmp_path / 'bad.json'}": "message 0 must be an object with role",
+        f"/load {tmp_path / 'notjson.json'}": "is not a saved conversation",
+    }
+    for line, hint in hints.items():
+        assert hint in command(child, line), line
+    assert "temperature = 0.5" in command(child, "/set temperature 0.5")
+    assert "Esc then Enter" in command(child, "/help")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and "Traceback" not in child.logfile_read.getvalue()
+
+
+def test_multi_line_message_with_a_trailing_backslash(smol_path, env, tmp_path):
+    child = spawn(smol_path, env, max_tokens=4)
+    child.send("First line\\\r")
+    child.expect_exact("...")  # the continuation prompt
+    child.send("second line\r")
+    child.expect(STATS)
+    child.expect_exact(PROMPT)
+    command(child, f"/save {tmp_path / 'm.json'}")
+    assert json.loads((tmp_path / "m.json").read_text())[0]["content"] == "First line\nsecond line"
+    quit_with(child, "d")
+
+
+def test_non_interactive_one_message_per_line(smol_path):
+    u1, u2 = "What is 2+2?", "And 3+3?"
+    r = subprocess.run([sys.executable, *chat_args(smol_path, "--show-draft")], input=f"{u1}\n\n{u2}\n",
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, TERM="xterm"))
+    assert r.returncode == 0, r.stderr
+    a1, _ = fresh(smol_path, [{"role": "user", "content": u1}])
+    a2, _ = fresh(smol_path, [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+                              {"role": "user", "content": u2}])
+    assert r.stdout == f"{a1}\n{a2}\n"  # replies only, no colour codes: stdout is not a terminal
+    assert len(STATS.findall(r.stderr)) == 2 and "\x1b" not in r.stderr
+
+
+def test_long_conversations_drop_the_oldest_turns(smol_path, tmp_path):
+    questions = [f"Tell me a fact about the number {i}." for i in range(1, 8)]
+    saved = tmp_path / "long.json"
+    r = subprocess.run([sys.executable, *chat_args(smol_path, "--system", "Be brief.", n_ctx=256)],
+                       input="\n".join(questions + ["word " * 300, f"/save {saved}"]) + "\n", capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, NO_COLOR="1"))
+    assert r.returncode == 0, r.stderr
+    assert "dropped the oldest" in r.stderr and len(STATS.findall(r.stderr)) == len(questions)
+    assert "do not fit in n_ctx=256" in r.stderr and "Traceback" not in r.stderr  # too long even alone: skipped
+    messages = json.loads(saved.read_text())
+    assert messages[0] == {"role": "system", "content": "Be brief."}
+    assert messages[1]["role"] == "user" and len(messages) < 1 + 2 * len(questions)
+    assert messages[-2]["content"] == questions[-1]
+    assert messages[-1]["content"] == fresh(smol_path, messages[:-1], n_ctx=256)[0]
+
+
+def test_drop_oldest_turns_keeps_the_system_prompt_and_the_new_message():
+    def conv(*roles):
+        return [{"role": r, "content": str(i)} for i, r in enumerate(roles)]
+
+    m = conv("system", "user", "assistant", "user", "assistant", "user")
+    assert drop_oldest_turns(m, lambda x: len(x) <= 4) == 1
+    assert [x["content"] for x in m] == ["0", "3", "4", "5"]
+    m = conv("assistant", "user", "assistant", "user")  # a loaded conversation may start anywhere
+    assert drop_oldest_turns(m, lambda x: len(x) <= 1) == 2 and [x["content"] for x in m] == ["3"]
+    m = conv("system", "user")
+    with pytest.raises(DoesNotFit):
+        drop_oldest_turns(m, lambda x: False)
+    assert drop_oldest_turns(conv("user"), lambda x: True) == 0
