@@ -48,13 +48,19 @@ class NgramDrafter:
     def lookup(self, context: Sequence[int], n: int) -> tuple[int, list[int]]:
         """(size of the n-gram matched, up to n tokens that followed it), or (0, []) when nothing matches."""
         ctx = np.asarray(context, dtype=np.int32)
-        for size in range(min(self.n_max, len(ctx) - 1), self.n_min - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], size)
-            hits = np.flatnonzero((windows == ctx[-size:]).all(axis=1))
-            if hits.size:
-                start = hits[-1] + size  # the latest match's continuation
-                return size, ctx[start:start + n].tolist()
-        return 0, []
+        last = len(ctx) - 1
+        ends = np.flatnonzero(ctx[:last] == ctx[last])  # earlier positions holding the last token
+        size = 1
+        while ends.size and size < self.n_max:  # grow the match backwards while some candidate still agrees
+            ok = ends[ends >= size]
+            longer = ok[ctx[ok - size] == ctx[last - size]]
+            if not longer.size:
+                break
+            ends, size = longer, size + 1
+        if not ends.size or size < self.n_min:
+            return 0, []
+        start = ends[-1] + 1  # the latest of the longest matches
+        return size, ctx[start:start + n].tolist()
 
     def propose(self, context: Sequence[int], n: int) -> Draft:
         return Draft(self.lookup(context, n)[1])
@@ -137,11 +143,20 @@ class AutoState:
         self.costs = costs
         # n-gram guesses are judged by the size of the match behind them (longer predicts better) and by whether
         # the previous guess came true ("hot"): quoting is bursty, once the model copies a span it goes on.
-        self.ngram = {(size, hot): AcceptanceStats(k_max, prior + 0.25 * hot)
-                      for size, prior in ((1, 0.1), (2, 0.25), (3, 0.4), (4, 0.55)) for hot in (False, True)}
+        self.ngram = {(size, hot): AcceptanceStats(k_max, prior + 0.2 * hot)
+                      for size, prior in ((1, 0.1), (2, 0.25), (3, 0.4), (4, 0.5), (6, 0.6)) for hot in (False, True)}
         self.hot = False
         self.model = AcceptanceStats(k_max, 0.7)
         self.probe_every, self.since_model = 64, 0
+        # Where even a draft model that is always right would not clearly beat plain decoding (slow batched
+        # verify, costly draft), it is never tried: a probe would also pay for catching its cache up.
+        self.model_can_win = costs.draft is not None and (
+            _best(np.ones(k_max), costs, costs.draft)[1] > 1.25 / costs.verify_cost(1))
+
+
+def _bucket(size: int) -> int:
+    """Match sizes that predict alike share statistics: 1, 2, 3, 4-5, 6 and more."""
+    return size if size <= 3 else 4 if size <= 5 else 6
 
 
 def _best(rates: np.ndarray, costs, extra_per_token: float = 0.0) -> tuple[int, float]:
@@ -189,12 +204,12 @@ class AutoDrafter:
         best = ("none", 0, 1.0 / costs.verify_cost(1))
         size, cont = self.ngram.lookup(context, n)
         if cont:
-            stats = st.ngram[min(size, 4), st.hot]
+            stats = st.ngram[_bucket(size), st.hot]
             self.pending.append((len(context), cont, stats))
             k, speed = _best(stats.rates(len(cont)), costs)
             if speed > best[2]:
                 best = ("ngram", k, speed)
-        if self.model is not None and costs.draft is not None:
+        if self.model is not None and costs.draft is not None and st.model_can_win:
             k, speed = _best(st.model.rates(n), costs, costs.draft)
             st.since_model += 1
             probe = st.since_model >= st.probe_every

@@ -408,7 +408,7 @@ class Engine:
         model = (ModelDrafter(self.draft, req.sampling, rng, p_min=req.p_min, prompt_len=prompt_len)
                  if self.draft is not None else None)
         if name == "auto":
-            return name, AutoDrafter(self.auto_state(), NgramDrafter(n_min=1), model)
+            return name, AutoDrafter(self.auto_state(), NgramDrafter(n_min=1, n_max=8), model)
         return name, model if name == "model" else HybridDrafter(NgramDrafter(), model)
 
     # -- generation --

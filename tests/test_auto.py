@@ -59,8 +59,7 @@ def test_learns_from_what_actually_follows_even_when_not_drafting():
     for t in range(105, 140):  # the text keeps quoting itself, one token per round
         ctx.append(t)
         auto.propose(ctx, 16)
-    stats = state.ngram[4, True]
-    assert stats.rates(4).min() > 0.9
+    assert max(s.rates(4).min() for s in state.ngram.values()) > 0.9
     assert len(auto.propose(ctx + list(range(100, 104)), 16).tokens) > len(first.tokens)
 
 
