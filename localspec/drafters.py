@@ -141,11 +141,13 @@ class AutoState:
 
     def __init__(self, costs, k_max: int = 33):
         self.costs = costs
-        # n-gram guesses are judged by the size of the match behind them (longer predicts better) and by whether
-        # the previous guess came true ("hot"): quoting is bursty, once the model copies a span it goes on.
-        self.ngram = {(size, hot): AcceptanceStats(k_max, prior + 0.2 * hot)
-                      for size, prior in ((1, 0.1), (2, 0.25), (3, 0.4), (4, 0.5), (6, 0.6)) for hot in (False, True)}
-        self.hot = False
+        # n-gram guesses are judged by the size of the match behind them (longer predicts better) and by the
+        # copy run they extend: how many tokens in a row the latest guesses got right (0, 1-3, 4+). Quoting is
+        # bursty: once the model copies a span it tends to go on, and a miss tends to start a new stretch.
+        self.ngram = {(size, run): AcceptanceStats(k_max, prior)
+                      for size, p0 in ((1, 0.1), (2, 0.25), (3, 0.35), (4, 0.45), (6, 0.55))
+                      for run, prior in ((0, p0), (1, 0.6), (2, 0.85))}
+        self.run = 0
         self.model = AcceptanceStats(k_max, 0.7)
         self.probe_every, self.since_model = 64, 0
         # Where even a draft model that is always right would not clearly beat plain decoding (slow batched
@@ -184,17 +186,23 @@ class AutoDrafter:
         self.pending: list[tuple[int, list[int], AcceptanceStats]] = []  # (position, tokens, whose stats)
 
     def _learn(self, context: Sequence[int]) -> None:
-        keep = []
+        keep, run = [], None
         for pos, tokens, stats in self.pending:
             known = context[pos:pos + len(tokens)]
             m = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), len(known))
+            if stats is not self.state.model and pos + len(known) == len(context):
+                run = m == len(known) and m > 0, len(known)  # the latest guess, against the newest tokens
             if m < len(known) or len(known) == len(tokens):
                 stats.update(min(m + 1, len(tokens)), m)
-                if stats is not self.state.model:
-                    self.state.hot = m > 0
             else:
                 keep.append((pos, tokens, stats))
         self.pending = keep
+        if run is not None:
+            self.state.run = self.state.run + run[1] if run[0] else 0
+
+    @property
+    def _run_level(self) -> int:
+        return 0 if self.state.run == 0 else 1 if self.state.run < 4 else 2
 
     def propose(self, context: Sequence[int], n: int) -> Draft:
         st, costs = self.state, self.state.costs
@@ -204,11 +212,13 @@ class AutoDrafter:
         best = ("none", 0, 1.0 / costs.verify_cost(1))
         size, cont = self.ngram.lookup(context, n)
         if cont:
-            stats = st.ngram[_bucket(size), st.hot]
+            stats = st.ngram[_bucket(size), self._run_level]
             self.pending.append((len(context), cont, stats))
             k, speed = _best(stats.rates(len(cont)), costs)
             if speed > best[2]:
                 best = ("ngram", k, speed)
+        else:
+            st.run = 0
         if self.model is not None and costs.draft is not None and st.model_can_win:
             k, speed = _best(st.model.rates(n), costs, costs.draft)
             st.since_model += 1

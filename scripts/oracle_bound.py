@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""How fast could n-gram speculation possibly be here? An upper bound from an oracle that knows the future.
+
+For each prompt, greedy plain decoding gives the output; at every position the n-gram lookup (the one
+`auto` uses) proposes a continuation, and we know how many of its tokens the target would accept. With this
+machine's measured verify costs (localspec's calibration), dynamic programming picks, position by position,
+the best choice between a plain step and a draft of any length. No real policy can beat the result: it
+is the speedup ceiling of n-gram drafting on this machine, to be read beside `localspec bench`.
+
+    python scripts/oracle_bound.py [--pair NAME | --target T --draft D] [--max-tokens 256] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import localspec
+from localspec.bench import load_prompts
+from localspec.drafters import NgramDrafter
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair")
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--prompts")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("-k", type=int, default=32, help="longest draft considered")
+    a = ap.parse_args()
+    kw = {"target": a.target, "draft": a.draft} if a.target else {"pair": a.pair}
+    llm = localspec.load(n_threads=a.threads, **kw)
+    costs = llm.auto_state().costs
+    c = [0.0] + [costs.verify_cost(n) for n in range(1, a.k + 2)]
+    lookup = NgramDrafter(n_min=1, n_max=8).lookup
+    ratios = []
+    for p in load_prompts(a.prompts):
+        prompt = llm.chat_tokens(p["messages"])
+        out = llm.generate(prompt, max_tokens=a.max_tokens, temperature=0, drafter="none").tokens
+        seq = prompt + out
+        n = len(out)
+        # best[t]: least time to produce out[t:], from the state where out[:t] is known
+        best = [0.0] * (n + 1)
+        for t in range(n - 1, -1, -1):
+            ctx = seq[:len(prompt) + t]
+            _, cont = lookup(ctx, a.k)
+            m = next((i for i, (x, y) in enumerate(zip(cont, out[t:])) if x != y), min(len(cont), n - t))
+            options = [c[1] + best[t + 1]]
+            for kk in range(1, len(cont) + 1):
+                gained = min(min(m, kk) + 1, n - t)
+                options.append(c[kk + 1] + best[t + gained])
+            best[t] = min(options)
+        ratio = n * c[1] / best[0]
+        ratios.append(ratio)
+        print(f"{p['id']:18s} oracle n-gram speedup ceiling {ratio:.2f}x over {n} tokens")
+    print(f"geometric mean ceiling {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}x; "
+          f"costs: verify(1) {c[1] * 1e3:.1f} ms, verify(2) {c[2] * 1e3:.1f} ms, verify(5) {c[5] * 1e3:.1f} ms, "
+          f"verify(17) {c[17] * 1e3:.1f} ms")
+    print(json.dumps({"verify_ms": {n: round(c[n] * 1e3, 1) for n in (1, 2, 3, 5, 9, 17, 33)}}))
+
+
+if __name__ == "__main__":
+    main()
