@@ -245,7 +245,7 @@ n_ctx = 512
 ''')
     reg = registry.load_registry()
     pair = reg.pair()                                          # the user's default
-    assert (pair.name, pair.drafter, pair.k, pair.n_ctx, pair.p_min) == ("smollm2-self", "ngram", 2, 512, 0.5)
+    assert (pair.name, pair.drafter, pair.k, pair.n_ctx, pair.p_min) == ("smollm2-self", "ngram", 2, 512, 0.75)
     assert reg.pairs["qwen2.5-coder-1.5b"] == SHIPPED.pairs["qwen2.5-coder-1.5b"]   # the rest stays
 
     (tmp_path / "home" / "models").mkdir(parents=True)
@@ -277,7 +277,7 @@ SMOL_TOML = f'repo = "r/x"\nfile = "x.gguf"\nrevision = "main"\nsize = 10\nsha25
     ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'nope'\n",
      r"pair 'p' names unknown draft model 'nope'"),
     ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'smollm2-135m-instruct-q4_1'\ndrafter = 'magic'\n",
-     r"'drafter' must be one of model, ngram, hybrid, none"),
+     r"'drafter' must be one of auto, model, ngram, hybrid, none"),
     ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'smollm2-135m-instruct-q4_1'\nn_gpu = 1\n",
      r"\[pairs.p\]: unknown key 'n_gpu'"),
     ("default_pair = 'nope'\n", r"default_pair 'nope' is not a pair"),
@@ -318,7 +318,7 @@ def test_models_command_lists_pairs_with_memory(user_models, tmp_path, smol_path
     est = memory.estimate(smol_path, smol_path, 2048)
     assert rows["qwen2.5-coder-1.5b"].startswith("* ") and " no " in rows["qwen2.5-coder-1.5b"]
     assert ">=1.50 GiB" in rows["qwen2.5-coder-1.5b"]
-    assert " yes " in rows["smollm2-self"] and "model k=4 p_min=0.0 n_ctx=2048" in rows["smollm2-self"]
+    assert " yes " in rows["smollm2-self"] and "auto k=16 p_min=0.0 n_ctx=2048" in rows["smollm2-self"]
     assert rows["smollm2-self"].rstrip().endswith(memory.gib(est.total))
 
 
