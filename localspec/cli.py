@@ -194,10 +194,12 @@ def chat(system, show_draft, **kw):
 @click.option("--methods", default="none,model,ngram,hybrid,auto,peer-2,peer-10", show_default=True,
               help="Comma-separated: none (plain), model, ngram, hybrid, auto, and llama-cpp-python's "
                    "LlamaPromptLookupDecoding as peer-2 / peer-10 (num_pred_tokens).")
+@click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
+              help="Run each prompt's methods this many times in turn and keep each method's median.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw ratios by prompt kind and method to this PNG (needs the 'plot' extra).")
-def bench(prompts, max_tokens, methods, json_path, plot_path, **kw):
+def bench(prompts, max_tokens, methods, repeat, json_path, plot_path, **kw):
     """Speed of each drafter against plain decoding on this machine, side by side in one run (greedy)."""
     import json
 
@@ -213,7 +215,7 @@ def bench(prompts, max_tokens, methods, json_path, plot_path, **kw):
         if llm.draft is None:
             names = [m for m in names if m not in ("model", "hybrid")]
         rows = b.run(llm, rows_in, methods=names, max_tokens=max_tokens, n_threads=load_kw.get("n_threads"),
-                     log=lambda s: click.echo(s, err=True))
+                     repeat=repeat, log=lambda s: click.echo(s, err=True))
     click.echo(b.table(rows))
     if json_path:
         Path(json_path).write_text(json.dumps(b.to_json(rows), indent=1))
