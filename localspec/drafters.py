@@ -83,7 +83,7 @@ class ModelDrafter:
         if n <= 0:
             return EMPTY
         row = m.sync(context, logits=True)[1][0]
-        history = list(context[self.prompt_len:])
+        history = list(context[self.prompt_len:]) if self.params.penalized else []  # only penalties read it
         tokens, qs = [], []
         for i in range(n):
             if self.params.greedy:

@@ -130,7 +130,8 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
             t1 = time.perf_counter()
             rows = verify(target, context[-1], draft)
             t2 = time.perf_counter()
-            n_acc, nxt = accept(rule, rows, draft, params, context[len(prompt):], rng, tau)
+            history = context[len(prompt):] if params.penalized else []  # only penalties read it
+            n_acc, nxt = accept(rule, rows, draft, params, history, rng, tau)
             rewind(target, len(context) + n_acc)
             yield Round(len(draft.tokens), n_acc, t1 - t0, t2 - t1)
             for tok, from_draft in [*((t, True) for t in draft.tokens[:n_acc]), (nxt, False)]:
