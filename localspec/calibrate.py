@@ -53,7 +53,7 @@ def cache_key(target: Model, draft: Model | None) -> str:
         if m is None:
             return None
         st = m.path.stat()
-        return [str(m.path.resolve()), st.st_size, st.st_mtime_ns, repr(m.cfg)]
+        return [str(m.path.resolve()), st.st_size, st.st_mtime_ns, repr(m.cfg), m.flash_attn]
 
     key = [platform.node(), platform.machine(), _cpu_name(), os.cpu_count(), version("llama-cpp-python"),
            ident(target), ident(draft)]

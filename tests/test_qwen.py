@@ -77,7 +77,7 @@ def test_sampled_generation_runs_and_counts(qwen_paths):
 def test_cli_end_to_end_with_the_pair(qwen_paths):
     r = subprocess.run([sys.executable, "-m", "localspec.cli", "generate", "--target", str(qwen_paths[0]),
                         "--draft", str(qwen_paths[1]), "--chat", "Write a Python one-liner that reverses a list.",
-                        "--temperature", "0", "--max-tokens", "48"],
+                        "--temperature", "0", "--max-tokens", "48", "--drafter", "model"],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     assert "[::-1]" in r.stdout or "reverse" in r.stdout

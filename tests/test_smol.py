@@ -135,6 +135,13 @@ def test_settings_reach_llama_cpp(smol_path, monkeypatch):
     default = Model(smol_path, ModelConfig(n_ctx=256))
     default.close()
     assert seen["model"]["use_extra_bufts"] is True  # the fast default keeps weight repacking
+    # flash attention 'auto': off on the CPU alone (slower there), llama.cpp's auto once layers are offloaded
+    # or when a quantized V cache or exact mode needs it
+    assert seen["ctx"]["flash_attn_type"] == L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    for cfg in (ModelConfig(n_ctx=256, n_gpu_layers=99), ModelConfig(n_ctx=256, type_v="q8_0"),
+                ModelConfig(n_ctx=256, exact=True)):
+        Model(smol_path, cfg).close()
+        assert seen["ctx"]["flash_attn_type"] == L.LLAMA_FLASH_ATTN_TYPE_AUTO
 
 
 def test_unknown_llama_setting_is_an_error_naming_it(smol_path):
