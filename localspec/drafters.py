@@ -181,6 +181,11 @@ class AutoDrafter:
     becomes predictable. The draft model is re-probed now and then, less often each time it loses.
     """
 
+    # Speculate only when it is expected to beat plain decoding by this factor: the estimates are noisy, and
+    # a draft that fails costs more than one that succeeds gains. (Replaying real outputs of 23 prompts
+    # against this machine's costs: 1.05 beats 1.0 slightly on average and lifts the worst prompt.)
+    MARGIN = 1.05
+
     def __init__(self, state: AutoState, ngram: NgramDrafter, model: ModelDrafter | None):
         self.state, self.ngram, self.model = state, ngram, model
         self.pending: list[tuple[int, list[int], AcceptanceStats]] = []  # (position, tokens, whose stats)
@@ -209,7 +214,7 @@ class AutoDrafter:
         self._learn(context)
         if n <= 0:
             return EMPTY
-        best = ("none", 0, 1.0 / costs.verify_cost(1))
+        best = ("none", 0, self.MARGIN / costs.verify_cost(1))
         size, cont = self.ngram.lookup(context, n)
         if cont:
             stats = st.ngram[_bucket(size), self._run_level]
