@@ -7,6 +7,9 @@ machine's measured verify costs (localspec's calibration), dynamic programming p
 the best choice between a plain step and a draft of any length. No real policy can beat the result: it
 is the speedup ceiling of n-gram drafting on this machine, to be read beside `localspec bench`.
 
+Beside it, the same outputs replayed through the `auto` policy (its state carried from prompt to prompt, as
+in one engine), with the same costs: what the policy captures of the ceiling, free of timing noise.
+
     python scripts/oracle_bound.py [--pair NAME | --target T --draft D] [--max-tokens 256] [--threads 2]
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ import math
 
 import localspec
 from localspec.bench import load_prompts
-from localspec.drafters import NgramDrafter
+from localspec.drafters import AutoDrafter, AutoState, NgramDrafter
 
 
 def main() -> None:
@@ -28,14 +31,15 @@ def main() -> None:
     ap.add_argument("--prompts")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int)
-    ap.add_argument("-k", type=int, default=32, help="longest draft considered")
+    ap.add_argument("-k", type=int, default=16, help="longest draft considered (auto's default k)")
     a = ap.parse_args()
     kw = {"target": a.target, "draft": a.draft} if a.target else {"pair": a.pair}
     llm = localspec.load(n_threads=a.threads, **kw)
     costs = llm.auto_state().costs
     c = [0.0] + [costs.verify_cost(n) for n in range(1, a.k + 2)]
     lookup = NgramDrafter(n_min=1, n_max=8).lookup
-    ratios = []
+    ratios, replays = [], []
+    state = AutoState(costs)
     for p in load_prompts(a.prompts):
         prompt = llm.chat_tokens(p["messages"])
         out = llm.generate(prompt, max_tokens=a.max_tokens, temperature=0, drafter="none").tokens
@@ -54,11 +58,19 @@ def main() -> None:
             best[t] = min(options)
         ratio = n * c[1] / best[0]
         ratios.append(ratio)
-        print(f"{p['id']:18s} oracle n-gram speedup ceiling {ratio:.2f}x over {n} tokens")
-    print(f"geometric mean ceiling {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}x; "
+        auto, t, spent = AutoDrafter(state, NgramDrafter(n_min=1, n_max=8), None), 0, 0.0
+        while t < n:
+            d = auto.propose(seq[:len(prompt) + t], min(a.k, n - t - 1)).tokens
+            m = next((i for i, (x, y) in enumerate(zip(d, out[t:])) if x != y), len(d))
+            t, spent = t + m + 1, spent + c[len(d) + 1]
+        replays.append(n * c[1] / spent)
+        print(f"{p['id']:18s} oracle n-gram speedup ceiling {ratio:.2f}x, auto replayed {replays[-1]:.2f}x, "
+              f"over {n} tokens")
+    gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
+    print(f"geometric mean: ceiling {gm(ratios):.2f}x, auto replayed {gm(replays):.2f}x; "
           f"costs: verify(1) {c[1] * 1e3:.1f} ms, verify(2) {c[2] * 1e3:.1f} ms, verify(5) {c[5] * 1e3:.1f} ms, "
           f"verify(17) {c[17] * 1e3:.1f} ms")
-    print(json.dumps({"verify_ms": {n: round(c[n] * 1e3, 1) for n in (1, 2, 3, 5, 9, 17, 33)}}))
+    print(json.dumps({"verify_ms": {n: round(costs.verify_cost(n) * 1e3, 1) for n in (1, 2, 3, 5, 9, 17, 33)}}))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,14 @@ def test_bench_end_to_end_json(smol_path, tmp_path):
             assert {"tps", "ratio", "acceptance", "mean_accepted", "same_as_plain", "outside_decode"} <= set(m)
         assert p["methods"]["none"]["ratio"] == 1.0
     assert set(data["geomean_ratio"]) == set(data["prompts"][0]["methods"])
+
+
+@pytest.mark.parametrize("path", [None, Path(__file__).resolve().parents[1] / "scripts" / "holdout_prompts.jsonl"])
+def test_bench_prompt_sets_are_well_formed(path):
+    from localspec.bench import load_prompts
+
+    rows = load_prompts(path)
+    assert len({r["id"] for r in rows}) == len(rows) >= 8
+    assert {r["kind"] for r in rows} == {"generate", "edit", "explain", "extract", "chat"}
+    for r in rows:
+        assert r["messages"][-1]["role"] == "user" and all(m["content"] for m in r["messages"])
