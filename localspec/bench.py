@@ -85,8 +85,9 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, n_t
         repeat: int = 1, log: Callable[[str], None] = lambda s: None) -> list[Row]:
     """Run every method on every prompt; the plain run ('none') is always included as the baseline.
 
-    With repeat > 1 the methods of a prompt run `repeat` times in turn and each keeps its median speed, so a
-    burst of other work on the machine does not decide a ratio.
+    With repeat > 1 the methods of a prompt run `repeat` times, in an order rotated each time (a method
+    that heats the CPU does not always precede the same one), and each keeps its median speed, so a burst
+    of other work on the machine does not decide a ratio.
     """
     methods = ("none",) + tuple(m for m in methods if m != "none")
     prompt_tokens = [llm.chat_tokens(p["messages"]) for p in prompts]
@@ -108,8 +109,8 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, n_t
         _ours(llm, tokens, "none", 8)  # warm-up
         row = Row(p["id"], p.get("kind", ""))
         tries: dict[str, list[Run]] = {m: [] for m in methods}
-        for _ in range(repeat):
-            for m in methods:
+        for i in range(repeat):
+            for m in methods[i % len(methods):] + methods[:i % len(methods)]:  # rotated each time
                 r = _peer(peers[m], tokens, max_tokens) if m in PEERS else _ours(llm, tokens, m, max_tokens)
                 tries[m].append(r)
                 log(f"{p['id']:18s} {m:8s} {r.tps:6.1f} tok/s  {r.tokens} tokens")

@@ -196,7 +196,7 @@ def chat(system, show_draft, **kw):
               help="Comma-separated: none (plain), model, ngram, hybrid, auto, and llama-cpp-python's "
                    "LlamaPromptLookupDecoding as peer-2 / peer-10 (num_pred_tokens).")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
-              help="Run each prompt's methods this many times in turn and keep each method's median.")
+              help="Run each prompt's methods this many times, in a rotated order, and keep each method's median.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw ratios by prompt kind and method to this PNG (needs the 'plot' extra).")
