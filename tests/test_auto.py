@@ -111,3 +111,19 @@ def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, mon
     (cached,) = tmp_path.glob("*.json")
     assert json.loads(cached.read_text())["sizes"][0] == 1
     m.close()
+
+
+def test_a_new_request_starts_from_a_share_of_the_last_ones_statistics():
+    """An edit's long copy runs must not make the next request (new text) bet on long drafts for long."""
+    state = AutoState(CPU)
+    for s in state.ngram.values():
+        for _ in range(200):
+            s.update(16, 16)  # the last request copied everything
+    state.run = 50
+    assert len(AutoDrafter(state, NgramDrafter(n_min=1), None).propose(REPEATING, 16).tokens) >= 12
+    auto = AutoDrafter(state, NgramDrafter(n_min=1), None)  # the next request
+    assert state.run == 0
+    for s in state.ngram.values():
+        for _ in range(12):
+            s.update(1, 0)  # its guesses fail from the first token
+    assert auto.propose(REPEATING, 16).tokens == []
