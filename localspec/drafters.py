@@ -161,6 +161,13 @@ class AutoState:
             _best(np.ones(k_max), costs, costs.draft)[1] > 1.25 / costs.verify_cost(1))
 
 
+    def new_text(self, carry: float) -> None:
+        """A new request begins: no copy run yet, and only `carry` of the n-gram statistics kept."""
+        self.run = 0
+        for stats in self.ngram.values():
+            stats.forget(carry)
+
+
 def _bucket(size: int) -> int:
     """Match sizes that predict alike share statistics: 1, 2, 3, 4-5, 6 and more."""
     return size if size <= 3 else 4 if size <= 5 else 6
@@ -200,9 +207,7 @@ class AutoDrafter:
     def __init__(self, state: AutoState, ngram: NgramDrafter, model: ModelDrafter | None):
         self.state, self.ngram, self.model = state, ngram, model
         self.pending: list[tuple[int, list[int], AcceptanceStats]] = []  # (position, tokens, whose stats)
-        state.run = 0
-        for stats in state.ngram.values():
-            stats.forget(self.CARRY)
+        state.new_text(self.CARRY)
 
     def _learn(self, context: Sequence[int]) -> None:
         keep, run = [], None

@@ -23,6 +23,11 @@ from localspec.bench import load_prompts
 from localspec.drafters import AutoDrafter, AutoState, NgramDrafter
 
 
+def agreed(guess, actual) -> int:
+    """How many leading tokens of a guess the actual continuation confirms."""
+    return next((i for i, (x, y) in enumerate(zip(guess, actual)) if x != y), min(len(guess), len(actual)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair")
@@ -50,7 +55,7 @@ def main() -> None:
         for t in range(n - 1, -1, -1):
             ctx = seq[:len(prompt) + t]
             _, cont = lookup(ctx, a.k)
-            m = next((i for i, (x, y) in enumerate(zip(cont, out[t:])) if x != y), min(len(cont), n - t))
+            m = agreed(cont, out[t:])
             options = [c[1] + best[t + 1]]
             for kk in range(1, len(cont) + 1):
                 gained = min(min(m, kk) + 1, n - t)
@@ -61,15 +66,13 @@ def main() -> None:
         auto, t, spent = AutoDrafter(state, NgramDrafter(n_min=1, n_max=8), None), 0, 0.0
         while t < n:
             d = auto.propose(seq[:len(prompt) + t], min(a.k, n - t - 1)).tokens
-            m = next((i for i, (x, y) in enumerate(zip(d, out[t:])) if x != y), len(d))
-            t, spent = t + m + 1, spent + c[len(d) + 1]
+            t, spent = t + agreed(d, out[t:]) + 1, spent + c[len(d) + 1]
         replays.append(n * c[1] / spent)
         print(f"{p['id']:18s} oracle n-gram speedup ceiling {ratio:.2f}x, auto replayed {replays[-1]:.2f}x, "
               f"over {n} tokens")
     gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
     print(f"geometric mean: ceiling {gm(ratios):.2f}x, auto replayed {gm(replays):.2f}x; "
-          f"costs: verify(1) {c[1] * 1e3:.1f} ms, verify(2) {c[2] * 1e3:.1f} ms, verify(5) {c[5] * 1e3:.1f} ms, "
-          f"verify(17) {c[17] * 1e3:.1f} ms")
+          f"costs: " + ", ".join(f"verify({n}) {costs.verify_cost(n) * 1e3:.1f} ms" for n in (1, 2, 5, 17)))
     print(json.dumps({"verify_ms": {n: round(costs.verify_cost(n) * 1e3, 1) for n in (1, 2, 3, 5, 9, 17, 33)}}))
 
 
