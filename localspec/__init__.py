@@ -68,7 +68,8 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
                        flash_attn=flash_attn_draft or flash_attn, type_k=type_k_draft or type_k,
                        type_v=type_v_draft or type_v, exact=exact, kwargs=dict(draft_kwargs or {}))
     est = memory.estimate(check_gguf(target), check_gguf(draft) if draft is not None else None, tcfg.n_ctx,
-                          type_k=type_k, type_v=type_v, n_ctx_draft=dcfg.n_ctx if draft is not None else None)
+                          type_k=type_k, type_v=type_v, n_ctx_draft=dcfg.n_ctx if draft is not None else None,
+                          type_k_draft=dcfg.type_k, type_v_draft=dcfg.type_v)
     if verbose:
         print(f"localspec: estimated memory {est}", file=sys.stderr)
     if memory_check:

@@ -160,6 +160,8 @@ class Estimate:
     draft: ModelEstimate | None
     type_k: str
     type_v: str
+    type_k_draft: str | None = None  # None: as the target's
+    type_v_draft: str | None = None
 
     @property
     def models(self) -> tuple[ModelEstimate, ...]:
@@ -183,8 +185,12 @@ class Estimate:
 
     def __str__(self) -> str:
         ctx = "/".join(str(m.n_ctx) for m in self.models)
+        types = f"{self.type_k}/{self.type_v}"
+        draft = f"{self.type_k_draft or self.type_k}/{self.type_v_draft or self.type_v}"
+        if self.draft is not None and draft != types:
+            types += f", draft {draft}"
         return (f"{gib(self.total)} = weights {gib(self.weights)} + KV {gib(self.kv)} "
-                f"(n_ctx {ctx}, {self.type_k}/{self.type_v}) + compute {gib(self.compute)}")
+                f"(n_ctx {ctx}, {types}) + compute {gib(self.compute)}")
 
 
 def gib(n: float) -> str:
@@ -239,18 +245,20 @@ def model_estimate(path: str | os.PathLike, n_ctx: int, *, type_k: str = "f16", 
 
 def estimate(target_path: str | os.PathLike, draft_path: str | os.PathLike | None, n_ctx: int,
              type_k: str = "f16", type_v: str = "f16", n_ctx_draft: int | None = None, *,
+             type_k_draft: str | None = None, type_v_draft: str | None = None,
              n_ubatch: int = N_UBATCH) -> Estimate:
     """Memory for a target (and optional draft) with KV caches of n_ctx cells (the draft's: n_ctx_draft or n_ctx).
 
-    Reads only the GGUF headers. See the module docstring for what is and is not counted (GPU offload is not).
+    The draft's KV types are type_k_draft/type_v_draft, or the target's when None. Reads only the GGUF
+    headers. See the module docstring for what is and is not counted (GPU offload is not).
     """
     target = model_estimate(target_path, n_ctx, type_k=type_k, type_v=type_v, n_ubatch=n_ubatch)
     draft = None
     if draft_path is not None:
         same_file = Path(draft_path).resolve() == Path(target_path).resolve()  # one mapping, shared pages
-        draft = model_estimate(draft_path, n_ctx_draft or n_ctx, type_k=type_k, type_v=type_v,
-                               n_ubatch=n_ubatch, weights=not same_file)
-    return Estimate(target, draft, type_k, type_v)
+        draft = model_estimate(draft_path, n_ctx_draft or n_ctx, type_k=type_k_draft or type_k,
+                               type_v=type_v_draft or type_v, n_ubatch=n_ubatch, weights=not same_file)
+    return Estimate(target, draft, type_k, type_v, type_k_draft, type_v_draft)
 
 
 # ---- available memory and the check ----
