@@ -82,17 +82,21 @@ class DoesNotFit(ChatError):
     """Even the system prompt and the newest message alone are too long."""
 
 
-def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) -> int:
-    """Drop whole turns (a user message and what follows it) from the front until `fits(messages)`.
+def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool],
+                      roomy: Callable[[list[dict]], bool] | None = None) -> int:
+    """Drop whole turns (a user message and what follows it) from the front until `fits(messages)`; once any
+    must go, go on until `roomy(messages)` too, while older turns remain.
 
     The system prompt and the newest user message always stay; returns the number of turns dropped, and
     raises DoesNotFit when even those alone do not fit.
     """
     start = 1 if messages and messages[0]["role"] == "system" else 0
     dropped = 0
-    while not fits(messages):
+    while not fits(messages) or (dropped and roomy is not None and not roomy(messages)):
         users = [i for i in range(start, len(messages)) if messages[i]["role"] == "user"]
         if len(users) < 2 and not (users and users[0] > start):
+            if dropped and fits(messages):
+                break  # no slack left to make, but it fits
             raise DoesNotFit("the new message alone does not fit")
         # everything before the second user turn (or before the only one, when replies precede it)
         del messages[start:users[1] if users[0] == start else users[0]]
@@ -303,8 +307,15 @@ class Chat:
         n_ctx = self.llm.target.n_ctx
         room = min(self.request().max_tokens, n_ctx // 2)  # kept free for the reply
         messages = self.conv.messages + [{"role": "user", "content": text}]
+
+        def size(m: list[dict]) -> int:
+            return len(self.llm.chat_tokens(plain(m)))
+
         try:
-            dropped = drop_oldest_turns(messages, lambda m: len(self.llm.chat_tokens(plain(m))) + room <= n_ctx)
+            # A trim drops down to half the prompt space, as llama.cpp's context shift does: trimming just
+            # enough would drop one more turn every turn, and nothing past the system prompt would be reused.
+            dropped = drop_oldest_turns(messages, lambda m: size(m) + room <= n_ctx,
+                                        roomy=lambda m: size(m) <= (n_ctx - room) // 2)
         except DoesNotFit:
             raise DoesNotFit(f"this message and room for a {room}-token reply do not fit in n_ctx={n_ctx}: "
                              "shorten it, lower max_tokens (/set max_tokens N) or restart chat with a larger "

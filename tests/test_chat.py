@@ -14,7 +14,7 @@ import pexpect
 import pytest
 
 import localspec
-from localspec.chat_repl import DoesNotFit, drop_oldest_turns, parse_messages
+from localspec.chat_repl import Chat, DoesNotFit, Screen, drop_oldest_turns, parse_messages
 
 N = 24  # max tokens per reply
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-B]|[=>])")
@@ -230,7 +230,37 @@ def test_drop_oldest_turns_keeps_the_system_prompt_and_the_new_message():
     assert [x["content"] for x in m] == ["0", "3", "4", "5"]
     m = conv("assistant", "user", "assistant", "user")  # a loaded conversation may start anywhere
     assert drop_oldest_turns(m, lambda x: len(x) <= 1) == 2 and [x["content"] for x in m] == ["3"]
+    m = conv("system", *["user", "assistant"] * 4, "user")  # once some must go, down to `roomy` (slack)
+    assert drop_oldest_turns(m, lambda x: len(x) <= 8, roomy=lambda x: len(x) <= 4) == 3
+    assert [x["content"] for x in m] == ["0", "7", "8", "9"]
+    m = conv("system", "user", "assistant", "user")       # slack stops at the newest message
+    assert drop_oldest_turns(m, lambda x: len(x) <= 3, roomy=lambda x: False) == 1 and len(m) == 2
+    assert drop_oldest_turns(conv("system", "user", "assistant", "user"), lambda x: True, roomy=lambda x: False) == 0
     m = conv("system", "user")
     with pytest.raises(DoesNotFit):
         drop_oldest_turns(m, lambda x: False)
     assert drop_oldest_turns(conv("user"), lambda x: True) == 0
+
+
+def test_after_a_trim_the_next_turns_reuse_the_cached_conversation(smol_path):
+    system = {"role": "system", "content": "Be brief."}
+    with localspec.load(target=smol_path, n_ctx=256) as llm:   # a small context fills in a few turns
+        chat = Chat(llm, {"max_tokens": 8, "temperature": 0, "drafter": "none"},
+                    Screen(interactive=False, show_draft=False), system=system["content"])
+        n_ctx = llm.target.n_ctx
+        reused, prompt, trimmed_at = [], [], None
+        for i in range(30):
+            before = chat.totals.reused, chat.totals.prefilled
+            chat.ask(f"Fact {i}: " + "the quick brown fox jumps over the lazy dog " * 3)
+            reused.append(chat.totals.reused - before[0])
+            prompt.append(reused[-1] + chat.totals.prefilled - before[1] + 1)  # the last token is decoded apart
+            if trimmed_at is None and chat.totals.dropped:
+                trimmed_at, kept = i, len(llm.chat_tokens(chat.conv.messages))
+            if trimmed_at is not None and i == trimmed_at + 2:
+                break
+    assert trimmed_at is not None, "the conversation never filled n_ctx"
+    assert chat.totals.dropped > 1  # the trim dropped several turns at once
+    for j in (trimmed_at + 1, trimmed_at + 2):  # the whole previous prompt comes from the cache
+        assert reused[j] >= prompt[j - 1] - 1 > n_ctx // 4, (reused, prompt)
+    assert kept < 0.6 * n_ctx  # trimmed with slack, to about half of n_ctx
+    assert chat.conv.messages[0] == system
