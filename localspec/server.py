@@ -4,30 +4,33 @@ llama.cpp contexts are not thread-safe, so one worker thread owns the engine and
 time in arrival order; the event loop only parses, validates and relays, so /health answers during a
 generation. Each request is a Job: the worker puts ("start" | "text" | "end" | "error", value) items on the
 job's asyncio queue, and the request handler turns them into a response or an SSE stream. A handler whose
-client goes away sets the job's cancel flag; the worker checks it between tokens and closes the engine
-stream, whose cleanup leaves both KV caches consistent. SIGINT/SIGTERM cancel every job at once, so open
-streams end with an error event instead of being cut when the grace period runs out.
+client goes away cancels its job: a waiting job leaves the queue at once, a running one's engine stream
+ends within a prefill chunk or a round, and its cleanup leaves both KV caches consistent. SIGINT/SIGTERM
+cancel every job at once, so open streams end with an error event instead of being cut when the grace
+period runs out.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import math
-import queue
 import re
 import threading
 import time
+from collections import deque
 from typing import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -74,22 +77,28 @@ _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "too
               "reasoning_effort", "web_search_options"}
 _COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
 _KNOWN = _OPTIONS.keys() | _IGNORED | _NOOP.keys() | _CHAT_ONLY | _COMPLETION_ONLY
-_KINDS = {int: "an integer", float: "a number", str: "a string", "stop": "a string or an array of strings"}
+_KINDS = {int: "an integer in the 64-bit range", float: "a finite number", str: "a string",
+          "stop": "a string or an array of strings"}
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's limits; each stop string is searched for after every token
 
 
 def _typed(param: str, value, kind):
-    ok = {int: lambda v: type(v) is int,
-          float: lambda v: type(v) in (int, float) and math.isfinite(v),
-          str: lambda v: isinstance(v, str),
-          "stop": lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-          }[kind](value)
+    try:
+        ok = {int: lambda v: type(v) is int and -2**63 <= v < 2**63,
+              float: lambda v: type(v) in (int, float) and math.isfinite(float(v)),
+              str: lambda v: isinstance(v, str),
+              "stop": lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+              }[kind](value)
+    except OverflowError:  # float(10**400)
+        ok = False
     if not ok:
         raise ApiError(f"{param} must be {_KINDS[kind]}, got {json.dumps(value)[:60]}", param=param)
-    return value
+    return float(value) if kind is float else value  # numpy cannot take a 400-digit int as a float
 
 
 def parse_options(body: dict, *, chat: bool, defaults: dict) -> tuple[dict, dict]:
-    """(engine options, engine option -> request field) from a request body, or ApiError naming the field."""
+    """(engine options over `defaults`, engine option -> request field) from a request body, or ApiError
+    naming the field."""
     other = _COMPLETION_ONLY if chat else _CHAT_ONLY
     for field in body:
         if field in other or field not in _KNOWN:
@@ -106,7 +115,7 @@ def parse_options(body: dict, *, chat: bool, defaults: dict) -> tuple[dict, dict
     for field, (name, kind) in _OPTIONS.items():
         if body.get(field) is not None:
             options[name], names[name] = _typed(field, body[field], kind), field
-    spec = body.get("localspec") or {}
+    spec = {} if body.get("localspec") is None else body["localspec"]
     if not isinstance(spec, dict):
         raise ApiError("localspec must be an object with drafter, k, accept, p_min or threshold", param="localspec")
     for field, value in spec.items():
@@ -121,10 +130,14 @@ def parse_options(body: dict, *, chat: bool, defaults: dict) -> tuple[dict, dict
     for name in ("frequency_penalty", "presence_penalty"):
         if not -2 <= options.get(name, 0) <= 2:
             raise ApiError(f"{name} must be in [-2, 2], got {options[name]}", param=name)
-    if isinstance(options.get("stop"), list) and not all(options["stop"]):
-        raise ApiError("stop strings must not be empty", param="stop")
+    stop = options.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP or not all(0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ApiError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters each "
+                       f"(OpenAI's limits), got {len(stop)} of up to {max(map(len, stop), default=0)}", param="stop")
+    options = defaults | options  # the server's defaults (the pair's, serve's flags); the request's fields win
     try:
-        make_request(**(defaults | options))  # the engine's own range checks, before the request waits its turn
+        make_request(**options)  # the engine's own range checks, before the request waits its turn
     except LocalspecError as e:
         raise _bad_request(e, names, None) from None
     return options, names
@@ -136,9 +149,12 @@ def _bad_request(e: LocalspecError, names: dict, fallback: str | None) -> ApiErr
     return ApiError(str(e), param=names.get(head.group() if head else "", fallback))
 
 
-def parse_messages(value) -> list[dict]:
+def parse_messages(value, *, n_ctx: int) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise ApiError("messages must be a non-empty array of {role, content} objects", param="messages")
+    if len(value) > n_ctx:  # each message takes a token of template markup at least: spare rendering them
+        raise ApiError(f"{len(value)} messages cannot fit in this model's context of {n_ctx} tokens",
+                       param="messages", code="context_length_exceeded")
     out = []
     for i, m in enumerate(value):
         p = f"messages[{i}]"
@@ -163,6 +179,27 @@ def parse_messages(value) -> list[dict]:
             raise ApiError(f"{p}.content must be a string or an array of text parts", param=f"{p}.content")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(body) -> None:
+    """Refuse lone UTF-16 surrogates ("\\ud800"): valid JSON escapes, but no text, so UTF-8 cannot encode them."""
+    todo = [("", body)]
+    while todo:  # not recursive: the JSON parser allows deeper nesting than Python's stack
+        path, value = todo.pop()
+        if isinstance(value, str) and _SURROGATE.search(value):
+            raise ApiError(f"{path or 'the body'} contains a lone UTF-16 surrogate, which is not text; "
+                           "send the string as valid UTF-8", param=path or None)
+        if isinstance(value, dict):
+            for key, v in value.items():
+                if _SURROGATE.search(key):
+                    raise ApiError(f"a field name in {path or 'the body'} contains a lone UTF-16 surrogate",
+                                   param=path or None)
+                todo.append((f"{path}.{key}" if path else key, v))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
 
 
 def parse_prompt(value) -> str | list[int]:
@@ -216,8 +253,9 @@ class Worker:
     """Runs jobs one at a time in arrival order; at most `queue_size` wait behind the running one."""
 
     def __init__(self, engine: Engine, queue_size: int):
-        self.engine = engine
-        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.engine, self.queue_size = engine, queue_size
+        self.waiting: deque[Job] = deque()  # FIFO; a job whose client leaves is removed at once (`cancel`)
+        self.lock = threading.Condition()  # guards waiting, current and closing
         self.current: Job | None = None
         self.closing = False
         self._thread = threading.Thread(target=self._run, name="localspec-engine", daemon=True)
@@ -226,44 +264,54 @@ class Worker:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        if self.closing:
-            raise _shutting_down()
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise ApiError(f"the server is busy ({self.jobs.maxsize} requests waiting); retry shortly",
-                           status=503, type="server_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        with self.lock:
+            if self.closing:
+                raise _shutting_down()
+            if len(self.waiting) >= self.queue_size:
+                raise ApiError(f"the server is busy ({self.queue_size} requests waiting); retry shortly",
+                               status=503, type="server_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+            self.waiting.append(job)
+            self.lock.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client has gone: stop the job's generation, or give up its place in the queue."""
+        with self.lock:
+            job.cancelled.set()
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(job)
 
     def close(self) -> None:
         """Refuse new jobs and answer the running and waiting ones 'shutting down' now (from the event loop).
 
-        The running one's response ends at once; the thread stops within a token and `stop` waits for it.
+        The running one's response ends at once; the thread stops within a prefill chunk or a round.
         """
-        self.closing = True
-        with contextlib.suppress(queue.Empty):
-            while True:
-                job = self.jobs.get_nowait()
-                job.cancelled.set()
-                job.put(("error", _shutting_down()))
-        if (job := self.current) is not None:
+        with self.lock:
+            self.closing = True
+            jobs = [*self.waiting, *([self.current] if self.current else [])]
+            self.waiting.clear()
+            self.lock.notify()
+        for job in jobs:
             job.cancelled.set()
             job.put(("error", _shutting_down()))
 
     def stop(self) -> None:
-        """Close, then wait for the thread: it stops within one token (or one prefill)."""
+        """Close, then wait for the thread."""
         self.close()
-        self.jobs.put(None)
         self._thread.join(timeout=1.0)
         if self._thread.is_alive():
-            log.info("waiting for the current engine step (a long prefill?) to finish")
+            log.info("waiting for the current engine step to finish")
             self._thread.join()
 
+    def _next(self) -> Job | None:
+        with self.lock:
+            while not self.waiting and not self.closing:
+                self.lock.wait()
+            self.current = None if self.closing else self.waiting.popleft()
+            return self.current
+
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set():
-                continue
-            self.current = job
+        while (job := self._next()) is not None:
             try:
                 self._serve(job)
             except Exception as e:  # a bug or a llama.cpp failure: answer 500 and keep serving
@@ -286,7 +334,9 @@ class Worker:
 
     def _serve(self, job: Job) -> None:
         try:
-            stream = self.engine.stream(self._tokens(job), **job.options)
+            # the engine checks `cancel` between prefill chunks and between rounds: a client that leaves, or
+            # a shutdown, stops even a long prefill within a chunk
+            stream = self.engine.stream(self._tokens(job), cancel=job.cancelled.is_set, **job.options)
         except ApiError as e:
             job.put(("error", e))
             return
@@ -297,8 +347,6 @@ class Worker:
         events = iter(stream)
         try:
             for ev in events:
-                if job.cancelled.is_set():
-                    break
                 if ev.text:
                     job.put(("text", ev.text))
         finally:
@@ -312,6 +360,36 @@ def _shutting_down() -> ApiError:
 
 
 # ---- HTTP ----
+MAX_BODY = 8 << 20  # bytes: far more text than a local model's context holds
+
+
+async def _read_body(request: Request, timeout_s: float) -> bytes:
+    """The body, refused when over MAX_BODY or slower than timeout_s: either would hold a connection.
+
+    Refusals close the connection, which would otherwise wait for the rest of the body.
+    """
+    close = {"Connection": "close"}
+    too_large = ApiError(f"the request body is over {MAX_BODY >> 20} MiB", status=413, code="request_too_large",
+                         headers=close)
+    if int(request.headers.get("content-length") or 0) > MAX_BODY:  # uvicorn has checked it is a number
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY:  # a chunked upload has no Content-Length to check first
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(f"the request body did not arrive within {timeout_s:g} s", status=408,
+                       code="request_timeout", headers=close) from None
+    except ClientDisconnect:
+        log.info("%s %s: the client left before sending its whole body", request.method, request.url.path)
+        raise ApiError("the request body is incomplete") from None  # nobody is left to read this
+    return b"".join(chunks)
+
+
 async def _disconnected(receive) -> None:
     """Returns once the client has gone (the request body has been read already)."""
     while (await receive())["type"] != "http.disconnect":
@@ -347,8 +425,10 @@ def _sse(obj) -> bytes:
 class App:
     """The routes over one engine; `create_app` wraps it in Starlette."""
 
-    def __init__(self, engine: Engine, *, api_key: str | None, queue_size: int):
-        self.engine, self.api_key = engine, api_key
+    def __init__(self, engine: Engine, *, api_key: str | None, queue_size: int, defaults: dict,
+                 body_timeout_s: float):
+        self.engine, self.api_key, self.body_timeout_s = engine, api_key, body_timeout_s
+        self.defaults = engine.defaults | defaults
         self.worker = Worker(engine, queue_size)
         self.created = int(time.time())
 
@@ -362,23 +442,25 @@ class App:
 
     async def _body(self, request: Request) -> dict:
         self._authorize(request)
-        raw = await request.body()
+        # a web page may POST text/plain or a form to any site without asking first (no CORS preflight)
+        if request.headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json":
+            raise ApiError("the request body must be JSON sent with 'Content-Type: application/json'", status=415,
+                           code="unsupported_media_type")
+        raw = await _read_body(request, self.body_timeout_s)
         try:
             body = json.loads(raw, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:  # JSONDecodeError, undecodable bytes, absurd nesting
             raise ApiError(f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and _typed("model", model, str) != self.engine.name:
-            raise ApiError(f"the model {model[:80]!r} does not exist: this server serves "
-                           f"{self.engine.name!r} (see /v1/models)", status=404, param="model",
-                           code="model_not_found")
+        check_text(body)
+        if body.get("model") is not None:  # any name: one model is served (as llama.cpp's server does)
+            _typed("model", body["model"], str)
         return body
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.engine.name, "busy": self.worker.current is not None,
-                             "queued": self.worker.jobs.qsize()})
+                             "queued": len(self.worker.waiting)})
 
     def _model(self) -> dict:
         return {"id": self.engine.name, "object": "model", "created": self.created, "owned_by": "localspec"}
@@ -396,8 +478,8 @@ class App:
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
-        messages = parse_messages(body.get("messages"))
-        options, names = parse_options(body, chat=True, defaults=self.engine.defaults)
+        messages = parse_messages(body.get("messages"), n_ctx=self.engine.target.n_ctx)
+        options, names = parse_options(body, chat=True, defaults=self.defaults)
         options.setdefault("max_tokens", self.engine.target.n_ctx)  # OpenAI: until the context is full
         return await self._run(request, Job("chat", messages, options, names), Chat(self.engine.name),
                                bool(body.get("stream")))
@@ -405,7 +487,7 @@ class App:
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         prompt = parse_prompt(body.get("prompt"))
-        options, names = parse_options(body, chat=False, defaults=self.engine.defaults)
+        options, names = parse_options(body, chat=False, defaults=self.defaults)
         options.setdefault("max_tokens", 16)  # OpenAI's default for /v1/completions
         return await self._run(request, Job("completion", prompt, options, names),
                                Completion(self.engine.name), bool(body.get("stream")))
@@ -436,7 +518,7 @@ class App:
             return Response(status_code=499)
         finally:
             if not handed_over:
-                job.cancelled.set()
+                self.worker.cancel(job)
                 gone.cancel()
 
     async def _events(self, job: Job, gone: asyncio.Future, shape) -> AsyncIterator[bytes]:
@@ -455,7 +537,7 @@ class App:
                 yield b"data: [DONE]\n\n"
                 return
         finally:
-            job.cancelled.set()
+            self.worker.cancel(job)
             gone.cancel()
 
 
@@ -477,10 +559,65 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return ApiError(f"internal error: {exc}", status=500, type="server_error").response()
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _hostname(host: str) -> str:
+    """'[::1]:8080' -> '::1', 'LocalHost:8080' -> 'localhost'."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host if host.count(":") > 1 else host.partition(":")[0]  # a bare IPv6 address has no port
+
+
+class _HostCheck:
+    """Refuses a Host header that names another site. A web page whose name is rebound to 127.0.0.1 (DNS
+    rebinding) reaches this port, but its requests still carry that name; an IP address cannot be rebound."""
+
+    def __init__(self, app, hosts: tuple[str, ...]):
+        self.app, self.hosts = app, {_hostname(h) for h in hosts}
+
+    def allowed(self, host: str) -> bool:
+        if not host or "*" in self.hosts or host in self.hosts:  # no Host at all: not a browser
+            return True
+        try:
+            ipaddress.ip_address(host)
+            return True
+        except ValueError:
+            return False
+
+    async def __call__(self, scope, receive, send) -> None:
+        host = _hostname(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else ""
+        if not self.allowed(host):
+            response = ApiError(f"this server does not answer to the name {host!r}: start it with --allow-host "
+                                f"{host} (or with --api-key) to use that name", status=403,
+                                code="host_not_allowed").response()
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class _Cors(CORSMiddleware):
+    """Starlette's, with a refused preflight answered by an OpenAI error object instead of plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        return ApiError(f"CORS preflight refused ({response.body.decode()}): start the server with --cors ORIGIN "
+                        "to let a web page from ORIGIN call the API", status=response.status_code,
+                        code="cors_refused").response()
+
+
 def create_app(engine: Engine, *, api_key: str | None = None, cors: tuple[str, ...] = (),
-               queue_size: int = 16) -> Starlette:
-    """The ASGI app: /v1/models, /v1/chat/completions, /v1/completions, /health over one engine."""
-    app = App(engine, api_key=api_key, queue_size=queue_size)
+               queue_size: int = 16, hosts: tuple[str, ...] = LOOPBACK, defaults: dict | None = None,
+               body_timeout_s: float = 30.0) -> Starlette:
+    """The ASGI app: /v1/models, /v1/chat/completions, /v1/completions, /health over one engine.
+
+    hosts: the Host names answered when there is no api_key ('*': any; IP addresses always).
+    defaults: generation options for requests that leave them out (over the engine's own).
+    """
+    app = App(engine, api_key=api_key, queue_size=queue_size, defaults=defaults or {},
+              body_timeout_s=body_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -488,8 +625,11 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: tuple[str, .
         yield
         await asyncio.to_thread(app.worker.stop)
 
-    middleware = [Middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST"],
-                             allow_headers=["*"])] if cors else []
+    # with a key, a rebound page still cannot authenticate: Host names are then free
+    middleware = [Middleware(_HostCheck, hosts=hosts)] if api_key is None else []
+    if cors:
+        middleware.append(Middleware(_Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
+                                     allow_headers=["*"]))
     routes = [Route("/health", app.health), Route("/v1/models", app.models),
               Route("/v1/models/{model:path}", app.model),
               Route("/v1/chat/completions", app.chat, methods=["POST"]),
@@ -514,10 +654,17 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          cors: tuple[str, ...] = (), queue_size: int = 16) -> None:
-    """Serve until SIGINT/SIGTERM, which end the running and waiting generations with a 'shutting down' error."""
-    app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size)
+          cors: tuple[str, ...] = (), queue_size: int = 16, allow_hosts: tuple[str, ...] = (),
+          defaults: dict | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, which end the running and waiting generations with a 'shutting down' error.
+
+    Without an api_key, only requests naming this server in their Host header are answered: loopback names,
+    `host`, IP addresses and `allow_hosts`.
+    """
+    app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size, defaults=defaults,
+                     hosts=(*LOOPBACK, host, *allow_hosts))
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
-    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
+    if host not in LOOPBACK and api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model "
+                    "(by IP address, or by a name given with --allow-host)", host)
     _Server(config, app.state.worker).run()

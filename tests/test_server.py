@@ -4,6 +4,7 @@ Real SmolLM2 as its own draft, exact mode, temperature 0: a correct answer is wh
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,10 +14,15 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
+
+from localspec.cli import cli
+from localspec.server import create_app
 
 KEY = "sk-local-test"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -88,9 +94,10 @@ def server(smol_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_server(smol_path, tmp_path_factory):
-    """One waiting request at most; CORS for one origin."""
+    """No API key; one waiting request at most; CORS for one origin; greedy ngram drafting by default."""
     s = Server(smol_path, tmp_path_factory.mktemp("small") / "server.log", "--queue-size", "1",
-               "--cors", "https://app.example")
+               "--cors", "https://app.example", "--allow-host", "app.internal", "--temperature", "0",
+               "--drafter", "ngram", "-k", "3")
     yield s
     s.stop()
 
@@ -141,6 +148,27 @@ def test_completions(server, smol_engine):
                                                      stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "length" and stats_of(chunks[-1])["generated"] == 12
+
+
+def test_any_model_name_is_answered_by_the_served_model(server, smol_engine):
+    # OpenAI snippets name some model; one model is served, so any name means it (as llama.cpp's server)
+    r = server.client().chat.completions.create(model="gpt-4o", messages=MESSAGES, temperature=0, max_tokens=8)
+    assert r.model == MODEL and r.choices[0].message.content == chat_answer(smol_engine, MESSAGES, 8)
+    with pytest.raises(openai.NotFoundError):  # a lookup by name still says what exists
+        server.client().models.retrieve("gpt-4o")
+
+
+def test_serve_flags_are_the_defaults_of_requests(small_server, smol_engine):
+    client = small_server.client(key="unused")
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12)  # --temperature 0
+    assert r.choices[0].message.content == chat_answer(smol_engine, MESSAGES, 12)
+    assert (stats_of(r)["drafter"], stats_of(r)["k"]) == ("ngram", 3)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                       extra_body={"localspec": {"drafter": "none", "k": 2}})
+    assert (stats_of(r)["drafter"], stats_of(r)["k"]) == ("none", 2)  # the request's fields win
+    # OpenAI's max_tokens defaults, not generate's 256, so serve has no --max-tokens
+    result = CliRunner().invoke(cli, ["serve", "--max-tokens", "5"])
+    assert result.exit_code == 2 and "No such option '--max-tokens'" in result.output
 
 
 def test_four_concurrent_clients_each_get_a_complete_correct_answer(server, smol_engine):
@@ -225,6 +253,24 @@ def test_full_queue_answers_503_with_retry_after(small_server, smol_engine):
     assert waiting["r"].choices[0].message.content == chat_answer(smol_engine, MESSAGES, 8)
 
 
+def test_a_client_that_leaves_while_queued_gives_up_its_place(small_server, smol_engine):
+    client = small_server.client(key="unused")
+    running = client.completions.create(model=MODEL, prompt=COUNTING, temperature=0, max_tokens=1000, stream=True)
+    next(iter(running))
+    with pytest.raises(httpx.ReadTimeout):  # waits behind the running one, then gives up
+        httpx.post(small_server.url + CHAT, json=OK_CHAT, timeout=httpx.Timeout(30, read=1))
+    deadline = time.monotonic() + 5
+    while small_server.health()["queued"]:
+        assert time.monotonic() < deadline, "the abandoned request still holds its place"
+        time.sleep(0.05)
+    with ThreadPoolExecutor(1) as pool:  # the one place is free again: the next request waits, no 503
+        waiting = pool.submit(client.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=8)
+        while small_server.health()["queued"] < 1 and not waiting.done():
+            time.sleep(0.05)
+        running.close()
+        assert waiting.result(timeout=60).choices[0].message.content == chat_answer(smol_engine, MESSAGES, 8)
+
+
 def test_sigterm_during_a_generation_shuts_down_cleanly(smol_path, tmp_path):
     s = Server(smol_path, tmp_path / "server.log")
     stream = s.client().completions.create(model=MODEL, prompt=COUNTING, temperature=0, max_tokens=1000,
@@ -238,6 +284,42 @@ def test_sigterm_during_a_generation_shuts_down_cleanly(smol_path, tmp_path):
     assert "Traceback" not in s.output() and "completion (cancelled)" in s.output()
     with pytest.raises(openai.APIError, match="shutting down"):  # the stream ends with an error event
         list(chunks)
+
+
+LONG_PROMPT = " ".join(f"item {i} is {i * 7 % 13}." for i in range(340))  # ~3,000 tokens: a prefill of a minute
+
+
+def long_prefill_server(smol_path, tmp_path) -> Server:
+    # one thread: llama.cpp's threads spin-wait for each other, so a busy machine slows two of them tenfold
+    return Server(smol_path, tmp_path / "server.log", "--n-ctx", "4096", "--threads", "1")
+
+
+def test_a_client_that_leaves_during_a_long_prefill_stops_it(smol_path, tmp_path, smol_engine):
+    s = long_prefill_server(smol_path, tmp_path)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + COMPLETIONS, json={"prompt": LONG_PROMPT, "max_tokens": 1},
+                       timeout=httpx.Timeout(30, read=2))
+        t0 = time.monotonic()
+        r = s.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
+        assert time.monotonic() - t0 < 15, "the abandoned prefill ran on"
+        assert r.choices[0].message.content == chat_answer(smol_engine, MESSAGES, 8)  # the caches were left sound
+        assert "completion (cancelled)" in s.output()
+    finally:
+        s.stop()
+
+
+def test_sigterm_during_a_long_prefill_exits_promptly(smol_path, tmp_path):
+    s = long_prefill_server(smol_path, tmp_path)
+    body = {"prompt": LONG_PROMPT, "max_tokens": 1}
+    threading.Thread(target=lambda: httpx.post(s.url + COMPLETIONS, json=body, timeout=60), daemon=True).start()
+    while not s.health()["busy"]:
+        time.sleep(0.05)
+    time.sleep(1)
+    t0 = time.monotonic()
+    rc = s.stop()
+    assert time.monotonic() - t0 < 10 and rc in (0, -signal.SIGTERM), s.output()
+    assert "Traceback" not in s.output()
 
 
 # ---- security ----
@@ -259,6 +341,39 @@ def test_cors_only_for_the_named_origin(server, small_server):
     r = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example",
                                                       "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_refused_cors_preflight_gets_an_error_object(small_server):
+    r = httpx.options(f"{small_server.url}/v1/chat/completions",
+                      headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "cors_refused"
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_without_a_key_only_requests_naming_this_server_are_answered(server, small_server):
+    # DNS rebinding: a page at evil.example:PORT whose name now points at 127.0.0.1 sends Host: evil.example
+    port = small_server.port
+    for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}", "[::1]",
+                 f"app.internal:{port}", f"192.168.1.20:{port}"):  # --allow-host app.internal; IPs cannot rebind
+        assert httpx.get(f"{small_server.url}/v1/models", headers={"Host": host}).status_code == 200, host
+    for host in (f"evil.example:{port}", "localhost.evil.example", "127.0.0.1.nip.io"):
+        for r in (httpx.get(f"{small_server.url}/v1/models", headers={"Host": host}),
+                  httpx.post(small_server.url + CHAT, json=OK_CHAT, headers={"Host": host})):
+            assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", host
+    # with a key, a rebound page cannot authenticate anyway: any name is answered
+    r = httpx.get(f"{server.url}/v1/models", headers={"Host": "my-box.lan", "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+
+
+def test_post_bodies_must_be_declared_json(small_server):
+    # a cross-site page may POST text/plain or a form without a CORS preflight: such bodies are refused
+    content = json.dumps(OK_CHAT).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        r = httpx.post(small_server.url + CHAT, content=content, headers={"Content-Type": ctype} if ctype else {})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", ctype
+    r = httpx.post(small_server.url + CHAT, content=content, timeout=60,
+                   headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
 
 
 # ---- bad input: a 4xx with an OpenAI error object, and the server keeps serving ----
@@ -288,7 +403,7 @@ BAD = {
     "seed negative": (CHAT, OK_CHAT | {"seed": -1}, 400, "seed"),
     "stop a number": (CHAT, OK_CHAT | {"stop": 5}, 400, "stop"),
     "stream a string": (CHAT, OK_CHAT | {"stream": "yes"}, 400, "stream"),
-    "unknown model": (CHAT, OK_CHAT | {"model": "gpt-4o"}, 404, "model"),
+    "model a number": (CHAT, OK_CHAT | {"model": 5}, 400, "model"),
     "n above 1": (CHAT, OK_CHAT | {"n": 2}, 400, "n"),
     "logprobs": (CHAT, OK_CHAT | {"logprobs": True}, 400, "logprobs"),
     "tools": (CHAT, OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
@@ -305,6 +420,38 @@ BAD = {
     "prompt too long": (COMPLETIONS, OK_COMPLETION | {"prompt": LONG}, 400, "prompt"),
     "echo": (COMPLETIONS, OK_COMPLETION | {"echo": True}, 400, "echo"),
     "messages to /v1/completions": (COMPLETIONS, OK_COMPLETION | {"messages": MESSAGES}, 400, "messages"),
+    # numbers past what a type check, numpy or a C int holds
+    "temperature a 400-digit integer": (CHAT, OK_CHAT | {"temperature": 10**400}, 400, "temperature"),
+    "top_p a 400-digit integer": (CHAT, OK_CHAT | {"top_p": 10**400}, 400, "top_p"),
+    "frequency_penalty a 400-digit integer": (CHAT, OK_CHAT | {"frequency_penalty": -10**400}, 400,
+                                              "frequency_penalty"),
+    "max_tokens a 400-digit integer": (CHAT, OK_CHAT | {"max_tokens": 10**400}, 400, "max_tokens"),
+    "seed a 400-digit integer": (CHAT, OK_CHAT | {"seed": 10**400}, 400, "seed"),
+    "top_k a 400-digit integer": (CHAT, OK_CHAT | {"top_k": 10**400}, 400, "top_k"),
+    "localspec k a 400-digit integer": (CHAT, OK_CHAT | {"localspec": {"k": 10**400}}, 400, "localspec.k"),
+    "token id a 400-digit integer": (COMPLETIONS, OK_COMPLETION | {"prompt": [1, 10**400]}, 400, "prompt"),
+    "temperature 1e400": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}', 400,
+                          "temperature"),
+    # lone UTF-16 surrogates: valid JSON escapes that UTF-8 cannot encode
+    "lone surrogate in content": (CHAT, OK_CHAT | {"messages": [{"role": "user", "content": "a\ud800"}]}, 400,
+                                  "messages[0].content"),
+    "lone surrogate in a content part": (CHAT, OK_CHAT | {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udfff"}]}]}, 400, "messages[0].content[0].text"),
+    "lone surrogate in stop": (CHAT, OK_CHAT | {"stop": ["x", "\ud800"]}, 400, "stop[1]"),
+    "lone surrogate in prompt": (COMPLETIONS, OK_COMPLETION | {"prompt": "\ud800"}, 400, "prompt"),
+    "lone surrogate in a field name": (CHAT, OK_CHAT | {"\ud800": 1}, 400, None),
+    # wrong shapes
+    "localspec an array": (CHAT, OK_CHAT | {"localspec": []}, 400, "localspec"),
+    "stop nested arrays": (CHAT, OK_CHAT | {"stop": [["a"]]}, 400, "stop"),
+    "content nested arrays": (CHAT, OK_CHAT | {"messages": [{"role": "user", "content": [[["x"]]]}]}, 400,
+                              "messages[0].content"),
+    "prompt an array of objects": (COMPLETIONS, OK_COMPLETION | {"prompt": [{"a": 1}]}, 400, "prompt"),
+    "max_tokens a float": (CHAT, OK_CHAT | {"max_tokens": 1.5}, 400, "max_tokens"),
+    # sizes: OpenAI's stop limits; more messages than the context has tokens
+    "five stop strings": (CHAT, OK_CHAT | {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    "a 257-character stop string": (CHAT, OK_CHAT | {"stop": "x" * 257}, 400, "stop"),
+    "an empty stop string": (CHAT, OK_CHAT | {"stop": ""}, 400, "stop"),
+    "more messages than context": (CHAT, OK_CHAT | {"messages": MESSAGES * 1025}, 400, "messages"),
 }
 
 
@@ -327,6 +474,59 @@ def test_unknown_route_and_method_get_error_objects(server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 405 and "error" in r.json()
+
+
+def raw_request(server: Server, head: str, body: bytes = b"", *, close: bool = False) -> bytes:
+    """One hand-written HTTP/1.1 request on a fresh connection; the response, or b"" when `close`."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(f"{head}\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\n\r\n".encode() + body)
+        if close:
+            return b""
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
+
+
+def test_bodies_over_8_mib_get_413(server):
+    r = raw_request(server, f"POST {CHAT} HTTP/1.1\r\nContent-Length: {20 << 20}")  # refused before it is sent
+    assert r.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in r
+    # chunked: no length to check first, so it is counted while read; the last chunk crosses 8 MiB
+    chunks = [b"x" * (1 << 20)] * 8 + [b"x"]
+    r = raw_request(server, f"POST {CHAT} HTTP/1.1\r\nTransfer-Encoding: chunked",
+                    b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks))
+    assert r.startswith(b"HTTP/1.1 413"), r[:200]
+
+
+def test_an_incomplete_upload_logs_one_line(server):
+    raw_request(server, f"POST {CHAT} HTTP/1.1\r\nContent-Length: 1000", b'{"messages": ', close=True)
+    deadline = time.monotonic() + 10
+    while "left before sending its whole body" not in server.output():
+        assert time.monotonic() < deadline, server.output()[-2000:]
+        time.sleep(0.05)
+    assert "Traceback" not in server.output()
+
+
+def test_a_slow_body_gets_408():
+    """In process, with a short timeout (serve's is 30 s): a body that stops arriving holds nothing."""
+    app = create_app(SimpleNamespace(name="stub", defaults={}), body_timeout_s=0.2)
+    parts, sent = [b'{"messages": '], []
+
+    async def receive():
+        if parts:
+            return {"type": "http.request", "body": parts.pop(), "more_body": True}
+        await asyncio.sleep(60)  # the rest never comes
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert sent[0]["status"] == 408 and json.loads(sent[1]["body"])["error"]["code"] == "request_timeout"
 
 
 def test_server_keeps_serving_after_bad_input(server, smol_engine):
