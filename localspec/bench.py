@@ -1,13 +1,17 @@
 """`localspec bench`: every drafter against plain decoding, and llama-cpp-python's own prompt lookup, side by side.
 
-Greedy, same threads, same max_tokens. Prompts are taken one at a time; on each, every method runs in turn
-(interleaved, after a warm-up), with both KV caches cleared before each run so no method reuses another's
-prompt. Speed is tokens/s from the first emitted token to the last, for every method alike (prompt
-processing is excluded). Ratios are to plain decoding in the same run. Our methods are read through the
-public Engine.stream, as users read it.
+Same max_tokens, temperature (greedy by default) and seed for every method. llama-cpp-python's peers run
+with the engine's target settings: its threads, GPU layers, flash attention, KV types and `exact` (no
+weight repacking, 32-token physical batches); other --target-kwarg settings are not carried over. Prompts
+are taken one at a time; on each, every method runs in turn (interleaved, after a warm-up), with both KV
+caches cleared before each run so no method reuses another's prompt. Speed is tokens/s from the first
+emitted token to the last, for every method alike (prompt processing is excluded). Ratios are to plain
+decoding in the same run. Our methods are read through the public Engine.stream, as users read it. A peer
+that raises is reported as failed for that prompt, and the bench goes on.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -15,10 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .errors import LocalspecError
+from .memory import CTX_PAD
+from .model import KV_TYPES, default_threads
+from .sampling import SamplingParams
+
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
 OURS = ("none", "model", "ngram", "hybrid", "auto")
 PEERS = {"peer-2": 2, "peer-10": 10}  # llama-cpp-python LlamaPromptLookupDecoding(num_pred_tokens=N)
 METHODS = OURS + tuple(PEERS)
+NEED_DRAFT = ("model", "hybrid")
+
+
+class BenchError(LocalspecError):
+    """A prompts file is malformed, or a method cannot run with the models loaded."""
 
 
 @dataclass
@@ -30,7 +44,8 @@ class Run:
     mean_accepted: float | None = None
     outside_decode: float | None = None  # share of wall time not inside llama_decode (either model)
     ratio: float = 0.0
-    same_as_plain: bool = True
+    same_as_plain: bool | None = True  # None: not comparable (sampled without a seed; a peer's own sampler)
+    failed: str | None = None          # a peer that raised: its error, on one line
 
 
 @dataclass
@@ -40,19 +55,91 @@ class Row:
     runs: dict[str, Run] = field(default_factory=dict)
 
 
+def _is_prompt(r: object) -> bool:
+    msgs = r.get("messages") if isinstance(r, dict) else None
+    return (isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("kind", ""), str)
+            and isinstance(msgs, list) and bool(msgs)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in msgs))
+
+
 def load_prompts(path: str | Path | None) -> list[dict]:
-    rows = [json.loads(line) for line in Path(path or PROMPTS).read_text().splitlines() if line.strip()]
-    for r in rows:
-        if not {"id", "messages"} <= set(r):
-            raise ValueError(f"{path}: each line needs 'id' and 'messages' (and optionally 'kind'): {r}")
+    """Prompts from a JSONL file (default: the shipped set): per line, an object with id, messages and kind."""
+    path = Path(path or PROMPTS)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BenchError(f"cannot read {path}: {e}") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError as e:
+            raise BenchError(f"{path}:{n}: not JSON ({e})") from None
+        if not _is_prompt(r):
+            raise BenchError(f"{path}:{n}: expected an object with 'id' (a string), 'messages' (a list of "
+                             f"{{role, content}} strings) and optionally 'kind', got {line.strip()[:60]}")
+        rows.append(r)
+    if not rows:
+        raise BenchError(f"{path}: no prompts in it")
     return rows
 
 
-def _ours(llm, tokens: list[int], method: str, max_tokens: int) -> Run:
+def peer_settings(target) -> tuple[dict, dict]:
+    """(llama_cpp.Llama keywords, llama_model_params fields Llama has no keyword for) that give a peer the
+    settings localspec's target runs with."""
+    cfg = target.cfg
+    threads = cfg.kwargs.get("n_threads") or cfg.n_threads or default_threads()  # as Model resolves them
+    kw = dict(n_threads=threads, n_threads_batch=cfg.kwargs.get("n_threads_batch") or threads,
+              n_gpu_layers=cfg.n_gpu_layers, type_k=KV_TYPES[cfg.type_k], type_v=KV_TYPES[cfg.type_v],
+              n_ubatch=32 if cfg.exact else 512,
+              # Llama takes a bool (enabled/disabled); llama.cpp's auto enables it wherever it is supported
+              flash_attn=target.flash_attn != "off")
+    extra_bufts = cfg.kwargs.get("use_extra_bufts", not cfg.exact)
+    return kw, {} if extra_bufts else {"use_extra_bufts": False}
+
+
+@contextlib.contextmanager
+def _model_defaults(**fields):
+    """While a peer loads, llama_model_default_params() (where Llama starts from) also sets these fields."""
+    import llama_cpp.llama_cpp as C
+
+    default = C.llama_model_default_params
+
+    def params():
+        mp = default()
+        for key, value in fields.items():
+            setattr(mp, key, value)
+        return mp
+
+    C.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        C.llama_model_default_params = default
+
+
+def load_peer(llm, n_ctx: int):
+    """One llama_cpp.Llama for every peer method (each run sets its draft_model), with the engine's settings."""
+    from llama_cpp import Llama
+
+    kw, fields = peer_settings(llm.target)
+    # With a draft model, Llama writes every position's logits into `scores`, which has n_batch (512) rows
+    # unless logits_all: past 512 tokens it overflows (ValueError: could not broadcast input array ...).
+    # It also sizes input_ids by the n_ctx asked for but clips drafts by llama.cpp's, padded to CTX_PAD.
+    with _model_defaults(**fields):
+        return Llama(str(llm.target.path), n_ctx=-(-n_ctx // CTX_PAD) * CTX_PAD, logits_all=True, verbose=False,
+                     **kw)
+
+
+def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: float = 0.0,
+          seed: int | None = None) -> Run:
     models = [m for m in (llm.target, llm.draft) if m is not None]
     for m in models:
         m.truncate(0)
-    stream = llm.stream(tokens, max_tokens=max_tokens, temperature=0, drafter=method)
+    stream = llm.stream(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed, drafter=method)
     n, text, t_first = 0, [], None
     for ev in stream:
         if t_first is None:
@@ -68,40 +155,43 @@ def _ours(llm, tokens: list[int], method: str, max_tokens: int) -> Run:
                1.0 - inside / wall if wall > 0 else None)
 
 
-def _peer(llama, tokens: list[int], max_tokens: int) -> Run:
+def _peer(llama, tokens: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> Run:
     llama.reset()
+    s = SamplingParams(temperature=temperature)  # the engine's defaults for the rest
     n, text, t_first = 0, [], None
-    for chunk in llama.create_completion(tokens, max_tokens=max_tokens, temperature=0.0, repeat_penalty=1.0,
-                                         stream=True):
-        if t_first is None:
-            t_first = time.perf_counter()
-        n += 1
-        text.append(chunk["choices"][0]["text"])
+    try:
+        for chunk in llama.create_completion(tokens, max_tokens=max_tokens, temperature=s.temperature,
+                                             top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                             repeat_penalty=s.repeat_penalty, seed=seed, stream=True):
+            if t_first is None:
+                t_first = time.perf_counter()
+            n += chunk["choices"][0]["finish_reason"] is None  # the last chunk only says why it ended
+            text.append(chunk["choices"][0]["text"])
+    except Exception as e:  # noqa: BLE001 - a peer's own bug ends its run, not the bench
+        return Run(0.0, n, "".join(text), same_as_plain=None, failed=f"{type(e).__name__}: {' '.join(str(e).split())}")
     wall = time.perf_counter() - t_first if t_first else 0.0
     return Run((n - 1) / wall if wall > 0 else 0.0, n, "".join(text))
 
 
-def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, n_threads: int | None = None,
-        repeat: int = 1, log: Callable[[str], None] = lambda s: None) -> list[Row]:
+def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, temperature: float = 0.0,
+        seed: int | None = None, repeat: int = 1, log: Callable[[str], None] = lambda s: None) -> list[Row]:
     """Run every method on every prompt; the plain run ('none') is always included as the baseline.
 
     With repeat > 1 the methods of a prompt run `repeat` times, in an order rotated each time (a method
     that heats the CPU does not always precede the same one), and each keeps its median speed, so a burst
-    of other work on the machine does not decide a ratio.
+    of other work on the machine does not decide a ratio. At temperature > 0 every method samples, peers
+    too, with `seed` when given; outputs are compared with plain's only where that means something (T = 0,
+    or our methods with a seed).
     """
     methods = ("none",) + tuple(m for m in methods if m != "none")
+    if llm.draft is None and (need := [m for m in methods if m in NEED_DRAFT]):
+        raise BenchError(f"method {need[0]!r} needs a draft model: load one (--draft) or leave it out of --methods")
     prompt_tokens = [llm.chat_tokens(p["messages"]) for p in prompts]
-    peers = {}
+    peer = None
     if any(m in PEERS for m in methods):
-        from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        n_ctx = max(len(t) for t in prompt_tokens) + max_tokens + 64
-        threads = n_threads or llm.target.cfg.n_threads
-        peers = {m: Llama(str(llm.target.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                          n_gpu_layers=llm.target.cfg.n_gpu_layers, verbose=False,
-                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PEERS[m]))
-                 for m in methods if m in PEERS}
+        peer = load_peer(llm, max(len(t) for t in prompt_tokens) + max_tokens + max(PEERS.values()) + 1)
     if "auto" in methods:
         llm.auto_state()  # calibrate (once per machine and models) before anything is timed
     rows = []
@@ -111,52 +201,72 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, n_t
         tries: dict[str, list[Run]] = {m: [] for m in methods}
         for i in range(repeat):
             for m in methods[i % len(methods):] + methods[:i % len(methods)]:  # rotated each time
-                r = _peer(peers[m], tokens, max_tokens) if m in PEERS else _ours(llm, tokens, m, max_tokens)
+                if m in PEERS:
+                    peer.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=PEERS[m])
+                    r = _peer(peer, tokens, max_tokens, temperature, seed)
+                else:
+                    r = _ours(llm, tokens, m, max_tokens, temperature, seed)
                 tries[m].append(r)
-                log(f"{p['id']:18s} {m:8s} {r.tps:6.1f} tok/s  {r.tokens} tokens")
+                log(f"{p['id']:18s} {m:8s} " + (f"failed: {r.failed}" if r.failed else
+                                                 f"{r.tps:6.1f} tok/s  {r.tokens} tokens"))
         for m, rs in tries.items():
-            row.runs[m] = sorted(rs, key=lambda r: r.tps)[len(rs) // 2]
+            row.runs[m] = next((r for r in rs if r.failed), None) or sorted(rs, key=lambda r: r.tps)[len(rs) // 2]
         plain = row.runs["none"]
-        for r in row.runs.values():
+        for m, r in row.runs.items():
             r.ratio = r.tps / plain.tps if plain.tps else 0.0
-            r.same_as_plain = r.text == plain.text
+            # a sample is comparable only when it is no sample (T = 0) or when our seed drew it
+            comparable = not r.failed and (temperature == 0 or (seed is not None and m not in PEERS))
+            r.same_as_plain = r.text == plain.text if comparable else None
         rows.append(row)
-    for peer in peers.values():
+    if peer is not None:
         peer.close()
     return rows
 
 
-def geomean(rows: list[Row], method: str) -> float:
-    return math.exp(sum(math.log(max(r.runs[method].ratio, 1e-9)) for r in rows) / len(rows))
+def geomean(rows: list[Row], method: str) -> float | None:
+    """Geometric mean of the ratios to plain over the prompts where the method ran; None when it never did."""
+    ratios = [r.runs[method].ratio for r in rows if not r.runs[method].failed]
+    return math.exp(sum(math.log(max(x, 1e-9)) for x in ratios) / len(ratios)) if ratios else None
 
 
-def table(rows: list[Row]) -> str:
+def _cell(m: str, r: Run) -> str:
+    if r.failed:
+        return f"failed: {r.failed[:60]}{'…' if len(r.failed) > 60 else ''}"
+    cell = f"{r.tps:.1f}" if m == "none" else f"{r.tps:.1f} ({r.ratio:.2f}x)"
+    if r.acceptance is not None:
+        cell += f" {r.acceptance:.0%} {r.mean_accepted:.1f}/rd"
+    return cell + (" ≠" if r.same_as_plain is False else "")
+
+
+def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None) -> str:
     """A Markdown table: tokens/s (ratio to plain) per prompt and method, acceptance, equality with plain."""
     methods = list(rows[0].runs)
     out = [f"| prompt | {' | '.join('plain' if m == 'none' else m for m in methods)} |",
            "|---" * (len(methods) + 1) + "|"]
     for row in rows:
-        cells = []
-        for m in methods:
-            r = row.runs[m]
-            cell = f"{r.tps:.1f}" if m == "none" else f"{r.tps:.1f} ({r.ratio:.2f}x)"
-            if r.acceptance is not None:
-                cell += f" {r.acceptance:.0%} {r.mean_accepted:.1f}/rd"
-            if not r.same_as_plain:
-                cell += " ≠"
-            cells.append(cell)
-        out.append(f"| {row.id} | {' | '.join(cells)} |")
-    out.append(f"| geomean ratio | {' | '.join(f'{geomean(rows, m):.2f}x' for m in methods)} |")
+        out.append(f"| {row.id} | {' | '.join(_cell(m, row.runs[m]) for m in methods)} |")
+    means = [geomean(rows, m) for m in methods]
+    out.append(f"| geomean ratio | {' | '.join('n/a' if g is None else f'{g:.2f}x' for g in means)} |")
     shares = {m: [r.runs[m].outside_decode for r in rows if r.runs[m].outside_decode is not None] for m in methods}
     out.append(f"| outside llama_decode | {' | '.join(f'{sum(v) / len(v):.1%}' if v else 'n/a' for v in shares.values())} |")
     out.append("\ntokens/s from first to last token; (ratio) to plain in this run; NN% = acceptance rate, "
-               "N.N/rd = mean accepted draft tokens per drafting round; ≠ = output differs from plain's.")
+               "N.N/rd = mean accepted draft tokens per drafting round; geomean over the prompts a method ran.")
+    if temperature == 0:
+        out.append("Greedy: ≠ = output differs from plain's.")
+    elif seed is None:
+        out.append(f"Sampled at temperature {temperature} without --seed: each run draws its own sample, so no "
+                   "output is compared with plain's (no ≠ is shown).")
+    else:
+        out.append(f"Sampled at temperature {temperature}, seed {seed}: ≠ = output differs from plain's with the "
+                   "same seed (a lossless rule keeps the distribution, not necessarily the sample); peers sample "
+                   "with llama.cpp's own sampler and are not compared.")
     return "\n".join(out)
 
 
-def to_json(rows: list[Row]) -> dict:
+def to_json(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None) -> dict:
     methods = list(rows[0].runs)
-    return {"prompts": [{"id": r.id, "kind": r.kind,
+    return {"temperature": temperature, "seed": seed,
+            "prompts": [{"id": r.id, "kind": r.kind,
                          "methods": {m: {k: v for k, v in vars(run).items() if k != "text"}
                                      for m, run in r.runs.items()}} for r in rows],
             "geomean_ratio": {m: geomean(rows, m) for m in methods}}
@@ -174,8 +284,7 @@ def plot(rows: list[Row], path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(1.5 + 1.3 * len(kinds), 4))
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
-        vals = [math.exp(sum(math.log(r.runs[m].ratio) for r in rows if (r.kind or r.id) == k) /
-                         sum(1 for r in rows if (r.kind or r.id) == k)) for k in kinds]
+        vals = [geomean([r for r in rows if (r.kind or r.id) == k], m) or math.nan for k in kinds]
         ax.bar([j + i * width for j in range(len(kinds))], vals, width, label=m)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)

@@ -200,8 +200,11 @@ def chat(system, show_draft, **kw):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw ratios by prompt kind and method to this PNG (needs the 'plot' extra).")
-def bench(prompts, max_tokens, methods, repeat, json_path, plot_path, **kw):
-    """Speed of each drafter against plain decoding on this machine, side by side in one run (greedy)."""
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0 = greedy; above 0 every method samples, llama-cpp-python's peers too.")
+@click.option("--seed", type=int, help="One seed for every method and peer, so sampled runs can be compared.")
+def bench(prompts, max_tokens, methods, repeat, json_path, plot_path, temperature, seed, **kw):
+    """Speed of each drafter against plain decoding on this machine, side by side in one run (greedy by default)."""
     import json
 
     from . import bench as b
@@ -210,22 +213,32 @@ def bench(prompts, max_tokens, methods, repeat, json_path, plot_path, **kw):
     unknown = [m for m in names if m not in b.METHODS]
     if unknown:
         raise click.UsageError(f"unknown method {unknown[0]!r}; choose from {', '.join(b.METHODS)}")
+    if plot_path:
+        try:  # check now, not after the whole run
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install 'localspec[plot]'") from None
+    make_request(max_tokens=max_tokens, temperature=temperature, seed=seed)  # fail before loading models
     load_kw, _ = split_options(kw)
     rows_in = b.load_prompts(prompts)
+    explicit = click.get_current_context().get_parameter_source("methods") != click.core.ParameterSource.DEFAULT
     with load_engine(load_kw) as llm:
-        if llm.draft is None:
-            names = [m for m in names if m not in ("model", "hybrid")]
-        rows = b.run(llm, rows_in, methods=names, max_tokens=max_tokens, n_threads=load_kw.get("n_threads"),
+        if llm.draft is None and not explicit:  # the default list; named ones are refused by run()
+            skipped = [m for m in names if m in b.NEED_DRAFT]
+            names = [m for m in names if m not in b.NEED_DRAFT]
+            click.echo(f"no draft model loaded: skipping {', '.join(skipped)} (give --draft to bench them)", err=True)
+        rows = b.run(llm, rows_in, methods=names, max_tokens=max_tokens, temperature=temperature, seed=seed,
                      repeat=repeat, log=lambda s: click.echo(s, err=True))
-    click.echo(b.table(rows))
+    click.echo(b.table(rows, temperature=temperature, seed=seed))
     if json_path:
-        Path(json_path).write_text(json.dumps(b.to_json(rows), indent=1))
+        Path(json_path).write_text(json.dumps(b.to_json(rows, temperature=temperature, seed=seed), indent=1))
     if plot_path:
         b.plot(rows, plot_path)
 
 
 @cli.command()
 @model_options
+@generation_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback: this machine only).")
 @click.option("--port", type=int, default=8080, show_default=True)
 @click.option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 requests "
@@ -234,21 +247,33 @@ def bench(prompts, max_tokens, methods, repeat, json_path, plot_path, **kw):
               "repeatable. Off by default.")
 @click.option("--queue-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests that may wait behind the running one; beyond that: 503 with Retry-After.")
-def serve(host, port, api_key, cors, queue_size, **kw):
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="HOST",
+              help="Also answer requests sent to the name HOST ('*': any); repeatable. Without --api-key only "
+                   "loopback names, --host and IP addresses are answered (a guard against DNS rebinding).")
+def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
-    One request generates at a time, in arrival order. Needs the server extra: pip install 'localspec[server]'.
+    One request generates at a time, in arrival order. The generation flags are the defaults of requests
+    that leave a field out. Needs the server extra: pip install 'localspec[server]'.
     """
     try:
         from . import server
     except ModuleNotFoundError as e:
         raise click.UsageError(f"`localspec serve` needs the server extra ({e.name} is missing): "
                                "pip install 'localspec[server]'") from None
-    load_kw, _ = split_options(kw)
+    load_kw, gen_kw = split_options(kw)
+    defaults = {k: v for k, v in gen_kw.items() if v is not None}
+    make_request(**defaults)  # fail before loading models
     with load_engine(load_kw) as llm:
-        if llm.defaults.get("drafter", "auto") == "auto":
+        if defaults.get("drafter", llm.defaults.get("drafter", "auto")) == "auto":
             llm.auto_state()  # measure costs now (once per machine) rather than inside the first request
-        server.serve(llm, host=host, port=port, api_key=api_key, cors=cors, queue_size=queue_size)
+        server.serve(llm, host=host, port=port, api_key=api_key, cors=cors, queue_size=queue_size,
+                     allow_hosts=allow_hosts, defaults=defaults)
+
+
+# generate's --max-tokens 256 is not OpenAI's default (16 for /v1/completions, the context for chat): requests
+# that want another length say so
+serve.params = [p for p in serve.params if p.name != "max_tokens"]
 
 
 # ---- registry commands (pull, models, check) ----

@@ -1,0 +1,178 @@
+"""`localspec bench`: llama-cpp-python's peers run with the engine's own settings, a peer that crashes is reported
+and the bench goes on, sampling is compared with plain only where that means something, and bad input fails in
+one line before any model loads. Real SmolLM2 (the session engine: exact, n_ctx 1024) and a scripted peer.
+"""
+import json
+import sys
+from types import SimpleNamespace
+
+import llama_cpp
+import pytest
+
+from localspec import bench, cli
+from localspec.model import ModelConfig, default_threads
+
+
+def prompt(pid: str, text: str) -> dict:
+    return {"id": pid, "kind": "chat", "messages": [{"role": "user", "content": text}]}
+
+
+SHORT = prompt("short", "Repeat exactly: alpha beta gamma delta")
+LONG = prompt("long", "Repeat this list exactly: " + ", ".join(f"item {i}" for i in range(110)))  # > 512 tokens
+BROADCAST = "could not broadcast input array from shape (455808,) into shape (303872,)"
+
+
+@pytest.fixture(scope="module")
+def fast_engine(smol_path):
+    """Not exact: 512-token physical batches prefill a long prompt quickly (the peer then uses them too)."""
+    import localspec
+
+    with localspec.load(target=smol_path, n_ctx=1024) as llm:
+        yield llm
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """Every (real) llama_cpp.Llama the bench builds."""
+    made = []
+
+    class Spy(llama_cpp.Llama):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(llama_cpp, "Llama", Spy)
+    return made
+
+
+def test_peers_run_with_the_engines_threads_flash_attention_kv_types_and_exact(smol_engine, built):
+    rows = bench.run(smol_engine, [SHORT], methods=("none", "peer-2", "peer-10"), max_tokens=8)
+    (peer,) = built                                          # one Llama serves both peer methods
+    cp, mp = peer.context_params, peer.model_params
+    assert smol_engine.target.cfg.n_threads is None          # no --threads: the engine's own default
+    assert cp.n_threads == cp.n_threads_batch == default_threads()
+    assert smol_engine.target.flash_attn == "auto"           # exact keeps llama.cpp's auto: on, on the CPU
+    assert cp.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    assert cp.type_k == cp.type_v == llama_cpp.GGML_TYPE_F16
+    assert mp.use_extra_bufts is False and cp.n_ubatch == 32  # exact: no weight repacking, small batches
+    assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts  # the defaults are put back
+    assert all(rows[0].runs[m].tokens == 8 and rows[0].runs[m].failed is None for m in ("peer-2", "peer-10"))
+
+
+def test_peer_settings_follow_a_plain_cpu_target():
+    kw, fields = bench.peer_settings(SimpleNamespace(cfg=ModelConfig(n_threads=3, type_k="q8_0"), flash_attn="off"))
+    assert kw["n_threads"] == kw["n_threads_batch"] == 3 and kw["flash_attn"] is False
+    assert kw["type_k"] == llama_cpp.GGML_TYPE_Q8_0 and kw["type_v"] == llama_cpp.GGML_TYPE_F16
+    assert kw["n_ubatch"] == 512 and fields == {}             # weight repacking stays on, as the engine's
+
+
+def test_a_prompt_past_512_tokens_does_not_crash_the_peer(fast_engine):
+    # llama-cpp-python 0.3.36 keeps a draft model's logits in 512 rows unless logits_all: it used to raise
+    # ValueError: could not broadcast ... as soon as the prompt passed 512 tokens.
+    assert len(fast_engine.chat_tokens(LONG["messages"])) > 512
+    run = bench.run(fast_engine, [LONG], methods=("none", "peer-2"), max_tokens=4)[0].runs["peer-2"]
+    assert run.failed is None and run.tokens == 4
+
+
+class CrashingPeer:
+    """Stands in for llama_cpp.Llama: on its first prompt it streams a token, then fails as 0.3.36 did."""
+
+    calls: list[dict] = []
+
+    def __init__(self, path, **kw):
+        self.draft_model = None
+
+    def reset(self):
+        pass
+
+    def close(self):
+        pass
+
+    def create_completion(self, tokens, **kw):
+        CrashingPeer.calls.append(kw)
+        for i in range(kw["max_tokens"]):
+            if i == 1 and len(CrashingPeer.calls) == 1:
+                raise ValueError(BROADCAST)
+            yield {"choices": [{"text": f" t{i}", "finish_reason": None}]}
+        yield {"choices": [{"text": "", "finish_reason": "length"}]}
+
+
+def test_a_peer_that_raises_is_reported_and_the_bench_goes_on(smol_engine, monkeypatch):
+    monkeypatch.setattr(llama_cpp, "Llama", CrashingPeer)
+    CrashingPeer.calls.clear()
+    rows = bench.run(smol_engine, [prompt("first", "Name a colour."), SHORT], methods=("none", "ngram", "peer-2"),
+                     max_tokens=6, temperature=0.7, seed=5)
+    crashed, fine = rows[0].runs["peer-2"], rows[1].runs["peer-2"]
+    assert crashed.failed == f"ValueError: {BROADCAST}" and fine.failed is None and fine.tokens == 6
+    assert [(c["temperature"], c["seed"]) for c in CrashingPeer.calls] == [(0.7, 5)] * 2  # ours, for peers too
+    text = bench.table(rows, temperature=0.7, seed=5)
+    assert "| failed: ValueError: could not broadcast" in text
+    assert bench.geomean(rows, "peer-2") == pytest.approx(fine.ratio)   # over the prompt it ran
+    # with a seed our methods are compared with plain; a peer's own sampler never is
+    assert isinstance(rows[1].runs["ngram"].same_as_plain, bool) and fine.same_as_plain is None
+    assert "seed 5" in text and "not compared" in text
+    assert json.loads(json.dumps(bench.to_json(rows, temperature=0.7, seed=5)))["prompts"][0]["methods"][
+        "peer-2"]["failed"].startswith("ValueError")
+
+
+def test_sampled_without_a_seed_compares_nothing(smol_engine):
+    rows = bench.run(smol_engine, [SHORT], methods=("none", "ngram"), max_tokens=6, temperature=0.7)
+    assert rows[0].runs["ngram"].same_as_plain is None
+    text = bench.table(rows, temperature=0.7)
+    assert "≠" not in text.split("\n\n")[0] and "without --seed" in text
+
+
+# ---- the command: one-line errors (exit 2) before any model loads ----
+
+def main(monkeypatch, capsys, *args) -> tuple[int, str]:
+    """Run `localspec ARGS` in this process, through main() as the console script does: (exit code, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["localspec", *map(str, args)])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    def refuse(load_kw):
+        raise AssertionError("models were loaded")
+
+    monkeypatch.setattr(cli, "load_engine", refuse)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--plot", "out.png"], "--plot needs matplotlib"),
+    (["--temperature", "-1"], "temperature=-1.0 is out of range"),
+    (["--seed", "-1"], "seed must be a non-negative integer"),
+])
+def test_bad_flags_fail_before_loading(monkeypatch, capsys, smol_path, no_load, args, says):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # not installed
+    code, err = main(monkeypatch, capsys, "bench", "--target", smol_path, *args)
+    assert code == 2 and says in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("line", ["not json", '["a list"]', '{"id": "x"}', '{"id": 1, "messages": []}',
+                                  '{"id": "x", "messages": [{"role": "user"}]}'])
+def test_a_bad_prompts_line_names_the_file_and_the_line(monkeypatch, capsys, tmp_path, smol_path, no_load, line):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(SHORT) + "\n" + line + "\n")
+    code, err = main(monkeypatch, capsys, "bench", "--target", smol_path, "--prompts", path)
+    assert code == 2 and err.startswith(f"error: {path}:2: ") and err.count("\n") == 1
+
+
+def test_methods_that_need_a_draft(monkeypatch, capsys, tmp_path, smol_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(SHORT) + "\n")
+    code, err = main(monkeypatch, capsys, "bench", "--target", smol_path, "--prompts", path, "--methods", "none,model")
+    assert code == 2 and "error: method 'model' needs a draft model" in err   # asked for by name: refused
+
+    asked = []
+
+    def fake_run(llm, prompts, *, methods, **kw):
+        asked.append(methods)
+        return [bench.Row("short", "chat", {"none": bench.Run(10.0, 2, "x", ratio=1.0)})]
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    code, err = main(monkeypatch, capsys, "bench", "--target", smol_path, "--prompts", path)
+    assert code == 0 and "skipping model, hybrid (give --draft" in err      # the default list: said, then run
+    assert asked == [["none", "ngram", "auto", "peer-2", "peer-10"]]
