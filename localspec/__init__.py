@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Mapping
 
 from .engine import Engine, Event, RequestError, Result, Stats, Stream
@@ -40,9 +41,11 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     Each setting has a `*_draft` twin for the draft model that defaults to the target's value.
     n_gpu_layers: layers offloaded to the GPU (CUDA/Metal builds of llama-cpp-python); -1 offloads all.
     flash_attn: 'auto', 'on' or 'off'. type_k/type_v: KV cache type ('f16', 'q8_0', 'q4_0', ...).
-    exact: turn off CPU weight repacking and use 32-token physical batches, so batched and single-token
-    logits are bit-identical (speculative greedy output then equals plain greedy output token for token, and
-    a reused prefix gives the same logits as a fresh prefill); plain decode is ~25% slower.
+    exact: make the target's batched and single-token logits bit-identical, so speculative greedy output
+    equals plain greedy output token for token (and a reused prefix gives the same logits as a fresh
+    prefill): no CPU weight repacking, 32-token physical batches, and the flash-attention setting that a
+    probe on this machine finds batch-invariant (cached); refused with the measured difference and the fix
+    when no setting is. Plain decode is ~25% slower.
     target_kwargs/draft_kwargs: any other llama_model_params / llama_context_params field by name.
     memory_check: refuse to load, saying what to lower, when the models clearly cannot fit in memory.
     verbose: show llama.cpp's own log output and the memory estimate.
@@ -66,7 +69,8 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     dcfg = ModelConfig(n_ctx=n_ctx_draft or n_ctx, n_threads=n_threads_draft or n_threads,
                        n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft,
                        flash_attn=flash_attn_draft or flash_attn, type_k=type_k_draft or type_k,
-                       type_v=type_v_draft or type_v, exact=exact, kwargs=dict(draft_kwargs or {}))
+                       type_v=type_v_draft or type_v, kwargs=dict(draft_kwargs or {}))
+    # Only the target's logits decide the output; the draft model needs no exactness (and stays fast).
     est = memory.estimate(check_gguf(target), check_gguf(draft) if draft is not None else None, tcfg.n_ctx,
                           type_k=type_k, type_v=type_v, n_ctx_draft=dcfg.n_ctx if draft is not None else None,
                           type_k_draft=dcfg.type_k, type_v_draft=dcfg.type_v)
@@ -74,6 +78,12 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
         print(f"localspec: estimated memory {est}", file=sys.stderr)
     if memory_check:
         memory.check_fits(est, memory.available_memory())
+    if exact:
+        from .calibrate import exact_flash_attn
+
+        tcfg = replace(tcfg, flash_attn=exact_flash_attn(
+            check_gguf(target), tcfg, registry.home() / "calibration",
+            log=lambda m: print(f"localspec: {m}", file=sys.stderr, flush=True)))
     t = Model(target, tcfg)
     d = None
     try:

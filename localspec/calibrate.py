@@ -1,8 +1,13 @@
-"""What speculation costs on this machine: the target's verify time by batch size, the draft's time per token.
+"""What this machine does: speculation costs for `auto`, and whether `exact` can be honoured.
 
-Measured once per machine, model files and settings (a few seconds), then cached as JSON under
-$LOCALSPEC_HOME/calibration. The auto drafter weighs these costs against acceptance to decide, each round,
-whether and how far to speculate.
+Costs: the target's verify time by batch size at two context depths, the draft's time per token, and the
+time to turn a logit row into a sampling distribution. Measured once per machine, build, model files and
+settings (about half a minute), then cached as JSON under $LOCALSPEC_HOME/calibration; `localspec calibrate`
+shows them and `--force` measures again.
+
+Exactness: whether single-token and batched logits are bit-identical depends on the CPU's kernels and the
+llama.cpp build (an AMD EPYC host needed flash attention on, an Intel Xeon host needed it off and a build
+without llamafile's sgemm). So `exact=True` probes it, per machine, build, model and settings, also cached.
 """
 from __future__ import annotations
 
@@ -12,28 +17,56 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
+from pathlib import Path
 
+import llama_cpp as L
 import numpy as np
 
-from .model import Model
+from .model import Model, ModelConfig, ModelError
+from .sampling import SamplingParams, dist
 
-# Batch sizes measured; costs in between are interpolated linearly.
-SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
-FILL = 256  # tokens already cached while measuring: a typical chat-turn context
+SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)  # verify batch sizes; costs in between are interpolated
+DEPTHS = (256, 1024)  # tokens cached while measuring; other depths are interpolated (and extrapolated) linearly
+FORMAT = 2  # bump when the cached files change shape
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds: verify[i] is one target decode of SIZES[i] tokens with logits for all; draft per draft token."""
+    """Seconds. verify[j][i]: one target decode of sizes[i] tokens (logits for all) after depths[j] cached
+    tokens; draft[j]: one draft-model token at that depth; sample_row: one row through the sampler at T > 0."""
 
     sizes: tuple[int, ...]
-    verify: tuple[float, ...]
-    draft: float | None
+    depths: tuple[int, ...]
+    verify: tuple[tuple[float, ...], ...]
+    draft: tuple[float, ...] | None
+    sample_row: float
 
-    def verify_cost(self, n: int) -> float:
-        return float(np.interp(n, self.sizes, self.verify))
+    def _at_depth(self, values, depth):
+        if len(self.depths) == 1:
+            return values[0]
+        d0, d1 = self.depths[0], self.depths[-1]
+        w = (max(depth, d0) - d0) / (d1 - d0)  # attention grows linearly with the cache: extrapolate beyond d1
+        return values[0] + w * (values[-1] - values[0])
+
+    def verify_cost(self, n, depth: int = 0):
+        """Seconds of a verify of n tokens (a number or an array) with `depth` tokens cached."""
+        rows = [np.interp(n, self.sizes, v) for v in self.verify]
+        return self._at_depth(rows, depth)
+
+    def draft_cost(self, depth: int = 0) -> float:
+        return float(self._at_depth(self.draft, depth)) if self.draft is not None else float("inf")
+
+    def table(self) -> str:
+        head = "batch " + "".join(f"{n:>8d}" for n in self.sizes)
+        lines = [head] + [f"@{d:<5d}" + "".join(f"{v * 1e3:8.1f}" for v in row)
+                          for d, row in zip(self.depths, self.verify)]
+        lines.append("verify: ms per target decode of that many tokens (logits for all) at @depth cached tokens")
+        if self.draft is not None:
+            lines.append("draft:  " + ", ".join(f"{v * 1e3:.1f} ms per token @{d}" for d, v in zip(self.depths, self.draft)))
+        lines.append(f"sample: {self.sample_row * 1e3:.2f} ms per row at temperature > 0")
+        return "\n".join(lines)
 
 
 def _cpu_name() -> str:
@@ -47,17 +80,26 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
-def cache_key(target: Model, draft: Model | None) -> str:
-    """Same machine, same model files, same settings -> same costs."""
-    def ident(m: Model | None):
-        if m is None:
-            return None
-        st = m.path.stat()
-        return [str(m.path.resolve()), st.st_size, st.st_mtime_ns, repr(m.cfg), m.flash_attn]
+def system_info() -> str:
+    """llama.cpp's own account of the backends and CPU features it was built with and uses."""
+    return L.llama_print_system_info().decode(errors="replace").strip()
 
-    key = [platform.node(), platform.machine(), _cpu_name(), os.cpu_count(), version("llama-cpp-python"),
-           ident(target), ident(draft)]
-    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
+
+def _ident(path: Path, cfg: ModelConfig) -> list:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns, repr(cfg)]
+
+
+def machine_key(*parts) -> str:
+    """Same CPU, build, library version and settings -> same answer. Threads are the resolved count."""
+    key = [FORMAT, platform.machine(), _cpu_name(), system_info(), version("llama-cpp-python"), *parts]
+    return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:24]
+
+
+def cache_key(target: Model, draft: Model | None) -> str:
+    def ident(m: Model | None):
+        return None if m is None else [*_ident(m.path, m.cfg), m.flash_attn, m.n_threads]
+    return machine_key("costs", ident(target), ident(draft))
 
 
 def _time_decode(model: Model, n: int) -> float:
@@ -70,48 +112,139 @@ def _time_decode(model: Model, n: int) -> float:
     return elapsed
 
 
+def _fill(model: Model, n: int) -> list[int]:
+    return [(7 + 13 * i) % min(model.n_vocab, 30000) + 100 for i in range(n)]
+
+
+def plan(n_ctx: int, n_batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(depths, sizes) that fit a context of n_ctx tokens: a small context is measured where it can be."""
+    depths = tuple(d for d in DEPTHS if d + SIZES[-1] <= n_ctx) or (n_ctx // 2,)
+    sizes = tuple(n for n in SIZES if n <= min(n_batch, n_ctx - depths[-1]))
+    return depths, sizes
+
+
 def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None) -> Costs:
     """Time verify batches on the target and single-token decodes on the draft (both caches end empty).
 
     Sizes are interleaved across `reps` passes and each keeps its fastest time, so a burst of other work on
-    the machine inflates one sample, not the curve; the curve is then made non-decreasing.
+    the machine inflates one sample, not the curve; each curve is then made non-decreasing.
     """
-    sizes = tuple(n for n in SIZES if n <= min(target.n_batch, target.n_ctx - FILL))
-    fill = [(7 + 13 * i) % min(target.n_vocab, 30000) + 100 for i in range(FILL)]
-    target.sync(fill)
-    _time_decode(target, max(sizes))  # warm-up
-    best = np.full(len(sizes), np.inf)
-    for rep in range(reps):
-        for i, n in enumerate(sizes):
-            best[i] = min(best[i], _time_decode(target, n))
+    depths, sizes = plan(target.n_ctx, target.n_batch)
+    verify, drafts = [], []
+    for depth in depths:
+        target.sync(_fill(target, depth))
+        _time_decode(target, sizes[-1])  # warm-up
+        best = np.full(len(sizes), np.inf)
+        for rep in range(reps):
+            for i, n in enumerate(sizes):
+                best[i] = min(best[i], _time_decode(target, n))
+        verify.append(tuple(np.maximum.accumulate(best).tolist()))
         if log:
-            log(f"pass {rep + 1}/{reps}: verify 1/{sizes[len(sizes) // 2]}/{sizes[-1]} tokens: "
-                f"{best[0] * 1e3:.1f}/{best[len(sizes) // 2] * 1e3:.1f}/{best[-1] * 1e3:.1f} ms")
-    target.truncate(0)
-    d = None
-    if draft is not None:
-        draft.sync(fill)
-        _time_decode(draft, 1)
-        d = min(_time_decode(draft, 1) for _ in range(2 * reps))
-        draft.truncate(0)
-        if log:
-            log(f"draft 1 token: {d * 1e3:.1f} ms")
-    return Costs(sizes, tuple(np.maximum.accumulate(best).tolist()), d)
+            mid = len(sizes) // 2
+            log(f"verify at {depth} cached tokens, {sizes[0]}/{sizes[mid]}/{sizes[-1]} tokens: "
+                f"{best[0] * 1e3:.1f}/{best[mid] * 1e3:.1f}/{best[-1] * 1e3:.1f} ms")
+        if draft is not None:
+            draft.sync(_fill(draft, min(depth, draft.n_ctx - 2)))
+            _time_decode(draft, 1)
+            drafts.append(min(_time_decode(draft, 1) for _ in range(2 * reps)))
+            if log:
+                log(f"draft 1 token at {depth} cached tokens: {drafts[-1] * 1e3:.1f} ms")
+    # a real row through the default sampler chain (top-k 40 ...), as every row at temperature > 0 is
+    row = np.array(target.decode(target.tokens[-1:], logits="all")[0])
+    params = SamplingParams()
+    times = []
+    for _ in range(21):
+        t = time.perf_counter()
+        dist(row, params)
+        times.append(time.perf_counter() - t)
+    for m in (target, draft):
+        if m is not None:
+            m.truncate(0)
+    return Costs(sizes, depths, tuple(verify), tuple(drafts) if draft is not None else None,
+                 float(np.median(times)))
 
 
-def load_or_measure(target: Model, draft: Model | None, cache_dir) -> Costs:
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, force: bool = False) -> Costs:
     """The cached costs for this machine and these models, measuring them (with progress) the first time."""
     path = cache_dir / f"{cache_key(target, draft)}.json"
-    try:
-        data = json.loads(path.read_text())
-        return Costs(tuple(data["sizes"]), tuple(data["verify"]), data["draft"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    data = None if force else _read(path)
+    if data is not None:
+        try:
+            return Costs(tuple(data["sizes"]), tuple(data["depths"]), tuple(map(tuple, data["verify"])),
+                         tuple(data["draft"]) if data["draft"] is not None else None, float(data["sample_row"]))
+        except (KeyError, TypeError, ValueError):
+            pass
     print(f"localspec: measuring speculation costs on this machine for {target.path.name} "
-          "(once; a few seconds)", file=sys.stderr, flush=True)
+          "(once; about half a minute)", file=sys.stderr, flush=True)
     costs = measure(target, draft, log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(costs)))
-    os.replace(tmp, path)
+    _write(path, asdict(costs))
     return costs
+
+
+# ---- exact mode: which flash-attention setting (if any) makes batched logits equal single-token logits ----
+PROBE_TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
+              "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\nThe quick brown fox jumps over "
+              "the lazy dog, and the function above runs in linear time.")
+
+
+def probe_exact(path: Path, cfg: ModelConfig, flash_attn: str) -> float:
+    """Max |single-token logits - batched logits| over a 5-token verify after a real-text prefix (0.0: exact)."""
+    m = Model(path, replace(cfg, flash_attn=flash_attn, n_ctx=512, exact=True))
+    try:
+        tokens = m.tokenize(PROBE_TEXT)
+        prefix, tail = tokens[:-5], tokens[-5:]
+        m.sync(prefix)
+        single = []
+        for t in tail:
+            single.append(np.array(m.decode([t], logits="last")[0]))
+        m.truncate(len(prefix))
+        batched = np.array(m.decode(tail, logits="all"))
+        return float(np.max(np.abs(np.stack(single) - batched)))
+    finally:
+        m.close()
+
+
+def exact_flash_attn(path: Path, cfg: ModelConfig, cache_dir: Path, *, force: bool = False, log=None) -> str:
+    """The flash-attention setting under which this machine's logits are bit-identical single vs batched.
+
+    Tries the setting asked for, or with 'auto' first off (faster on a CPU) then on. Cached per machine,
+    build, model and settings. Raises ModelError naming the measured differences and the fix when none is.
+    """
+    from .model import default_threads
+
+    threads = cfg.n_threads or default_threads()
+    key = machine_key("exact", _ident(path, replace(cfg, n_ctx=512, n_threads=threads)))
+    file = cache_dir / f"exact-{key}.json"
+    seen = None if force else _read(file)
+    if not isinstance(seen, dict):
+        seen = {}
+    order = ("off", "on") if cfg.flash_attn == "auto" else (cfg.flash_attn,)
+    for fa in order:
+        if fa not in seen:
+            if log:
+                log(f"checking that batched logits equal single-token logits (flash attention {fa}) ...")
+            seen[fa] = probe_exact(path, cfg, fa)
+            _write(file, seen)
+        if seen[fa] == 0.0:
+            return fa
+    diffs = ", ".join(f"{seen[fa]:.3g} with flash attention {fa}" for fa in order)
+    raise ModelError(
+        f"exact mode cannot be honoured on this machine: single-token and batched logits of {path.name} differ "
+        f"(max |diff| {diffs}), so speculative output could differ from plain output. llama.cpp's kernels "
+        f"decide this per CPU and build ({system_info()}). Rebuild llama-cpp-python without llamafile's sgemm: "
+        f"CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --force-reinstall --no-cache-dir llama-cpp-python"
+        + (" (and try flash_attn 'auto')" if cfg.flash_attn != "auto" else "") + "; or run without exact")

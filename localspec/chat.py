@@ -6,6 +6,7 @@ the bos/eos token strings and raise_exception), so a template behaves as it does
 from __future__ import annotations
 
 import datetime
+import uuid
 from typing import Mapping, Sequence
 
 import jinja2
@@ -40,3 +41,26 @@ def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str 
             strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     except jinja2.TemplateError as e:
         raise ChatError(f"chat template failed to render: {e}") from None
+
+
+def segments(template: str | None, messages: Sequence[Mapping], special, *, bos_token: str = "",
+             eos_token: str = "", add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+    """The rendered prompt as (text, is_markup) pieces: message text that spells a control token (as
+    `special(text)` says) comes out as its own piece with is_markup False, to be tokenized as plain text.
+
+    Such a message is rendered through a placeholder that the template cannot mistake for anything, and its
+    text is put back in the placeholder's place; every other message renders as the template writes it.
+    """
+    risky = {i for i, m in enumerate(messages) if isinstance(m, Mapping) and isinstance(m.get("content"), str)
+             and m["content"] and special(m["content"])}
+    kw = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=add_generation_prompt)
+    if not risky:
+        return [(render(template, messages, **kw), True)]
+    mark = f"\ue000{uuid.uuid4().hex}"  # a private-use character and a nonce: no message can contain it
+    stand_in = [dict(m, content=f"{mark}{i}{mark}") if i in risky else m for i, m in enumerate(messages)]
+    parts = render(template, stand_in, **kw).split(mark)
+    if len(parts) != 2 * len(risky) + 1 or sorted(parts[1::2]) != sorted(map(str, risky)):
+        raise ChatError("the chat template repeats or drops message text, so control-token text in a message "
+                        "cannot be kept apart from the template's markup; remove it from the message")
+    out = [(part, True) if j % 2 == 0 else (messages[int(part)]["content"], False) for j, part in enumerate(parts)]
+    return [(t, m) for t, m in out if t]

@@ -55,27 +55,33 @@ def model_options(f):
 
 
 def generation_options(f):
-    """Flags of Engine.generate()."""
+    """Flags of Engine.generate(); their defaults are localspec.defaults, as the API's."""
+    from . import defaults as D
+
+    sd = D.SAMPLING
     opts = [
-        click.option("--max-tokens", type=int, default=256, show_default=True),
-        click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid", "none"]),
-                     help="Where draft tokens come from (default: the pair's, else model when a draft is "
-                          "loaded, else ngram)."),
-        click.option("--accept", type=click.Choice(["rejection", "greedy", "threshold"]), default="rejection",
-                     show_default=True, help="Acceptance rule; rejection and greedy are lossless, threshold is lossy."),
-        click.option("-k", "k", type=int, help="Draft tokens per round, at most (default: the pair's, else 4)."),
+        click.option("--max-tokens", type=int, default=D.MAX_TOKENS, show_default=True),
+        click.option("--drafter", type=click.Choice(D.DRAFTERS),
+                     help="Where draft tokens come from: auto (the default unless the pair says otherwise) "
+                          "chooses each round from this machine's measured costs; model, ngram, hybrid force one; "
+                          "none is plain decoding."),
+        click.option("--accept", type=click.Choice(D.RULES), default=D.ACCEPT, show_default=True,
+                     help="Acceptance rule; rejection and greedy are lossless, threshold is lossy."),
+        click.option("-k", "k", type=int, help=f"Draft tokens per round, at most (default: the pair's, else "
+                     f"{D.K_AUTO} under auto, {D.K_FIXED} otherwise); clamped to what one decode holds."),
         click.option("--p-min", type=float, help="The draft model stops drafting when its top probability falls "
-                     "below this (default: the pair's, else 0.75)."),
-        click.option("--threshold", type=float, default=0.5, show_default=True,
+                     f"below this (default: the pair's, else {D.P_MIN})."),
+        click.option("--threshold", type=float, default=D.THRESHOLD, show_default=True,
                      help="--accept threshold: accept a draft token while p(d) >= threshold * max p."),
-        click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = greedy."),
-        click.option("--top-k", type=int, default=40, show_default=True, help="0 disables."),
-        click.option("--top-p", type=float, default=0.95, show_default=True),
-        click.option("--min-p", type=float, default=0.05, show_default=True),
-        click.option("--repeat-penalty", type=float, default=1.0, show_default=True),
-        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
-        click.option("--presence-penalty", type=float, default=0.0, show_default=True),
-        click.option("--seed", type=int, help="Makes a sampled run reproducible."),
+        click.option("--temperature", type=float, default=sd["temperature"], show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=int, default=sd["top_k"], show_default=True, help="0 disables."),
+        click.option("--top-p", type=float, default=sd["top_p"], show_default=True),
+        click.option("--min-p", type=float, default=sd["min_p"], show_default=True),
+        click.option("--repeat-penalty", type=float, default=sd["repeat_penalty"], show_default=True),
+        click.option("--frequency-penalty", type=float, default=sd["frequency_penalty"], show_default=True),
+        click.option("--presence-penalty", type=float, default=sd["presence_penalty"], show_default=True),
+        click.option("--seed", type=int, help="Makes a sampled run reproducible: the same seed gives the same text "
+                     "whatever was drafted (the stats show the seed a run used)."),
         click.option("--stop", multiple=True, help="Stop string (not emitted); repeatable."),
     ]
     for o in reversed(opts):
@@ -145,8 +151,11 @@ def generate(prompt, chat, system, as_json, **kw):
 
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt  # the newline that ends the input is not the prompt's
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
+    if system is not None and not chat:
+        raise click.UsageError("--system needs --chat (a system message only exists in a chat prompt)")
     load_kw, gen_kw = split_options(kw)
     make_request(**{k: v for k, v in gen_kw.items() if v is not None})  # fail before loading models
     with load_engine(load_kw) as llm:
@@ -274,6 +283,26 @@ def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
 # generate's --max-tokens 256 is not OpenAI's default (16 for /v1/completions, the context for chat): requests
 # that want another length say so
 serve.params = [p for p in serve.params if p.name != "max_tokens"]
+
+
+@cli.command()
+@model_options
+@click.option("--force", is_flag=True, help="Measure again even when costs for this machine are cached.")
+def calibrate(force, **kw):
+    """Show what speculation costs on this machine (what `auto` decides from), measuring it if needed.
+
+    The target's verify time by batch size at two context depths, the draft model's time per token and the
+    sampler's time per row, cached per CPU, llama.cpp build, model files and settings. Measure again with
+    --force after changing hardware or when the machine was busy during the first measurement.
+    """
+    from .calibrate import system_info
+
+    load_kw, _ = split_options(kw)
+    with load_engine(load_kw) as llm:
+        costs = llm.calibration(force=force)
+        click.echo(f"{llm.name}: {llm.target.n_threads} threads, flash attention {llm.target.flash_attn}")
+        click.echo(costs.table())
+        click.echo(f"llama.cpp: {system_info()}")
 
 
 # ---- registry commands (pull, models, check) ----

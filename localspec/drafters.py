@@ -1,4 +1,4 @@
-"""Drafters: where the candidate tokens of a round come from. One protocol, four small classes."""
+"""Drafters: where the candidate tokens of a round come from. One protocol, four small classes, and auto."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,18 +7,18 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .model import Model
-from .sampling import SamplingParams, choose, probs, sample
+from .sampling import Dist, SamplingParams, dist, penalize, position_rng
 
 
 @dataclass(frozen=True, slots=True)
 class Draft:
-    """Proposed tokens and, for a stochastic drafter, the rows q they were sampled from.
+    """Proposed tokens and, for a stochastic drafter, the distributions q they were sampled from.
 
     q is None for a deterministic draft: a point mass on each token (n-gram lookup, or a greedy draft model).
     """
 
     tokens: list[int]
-    q: np.ndarray | None = None
+    q: list[Dist] | None = None
 
 
 EMPTY = Draft([])
@@ -70,38 +70,53 @@ class ModelDrafter:
     """A small draft model with its own KV cache, advanced incrementally across rounds.
 
     Samples with the same SamplingParams as the target (greedy at temperature 0, where the draft is a point
-    mass), and stops early when its top probability falls below p_min.
+    mass), and stops early when its top probability falls below p_min. Its vocabulary may be up to 128
+    tokens wider or narrower than the target's (llama.cpp's rule): it drafts only ids both share, and stands
+    aside (drafts nothing) where the context holds an id it lacks or no longer fits its n_ctx.
+    Draws come from the stream of the output position drafted (seed, position, 1), so a seeded request
+    drafts the same tokens every time.
     """
 
-    def __init__(self, model: Model, params: SamplingParams, rng: np.random.Generator, *,
-                 p_min: float = 0.0, prompt_len: int = 0):
-        self.model, self.params, self.rng, self.p_min, self.prompt_len = model, params, rng, p_min, prompt_len
+    def __init__(self, model: Model, params: SamplingParams, *, seed: int, p_min: float = 0.0,
+                 prompt_len: int = 0, target_vocab: int | None = None):
+        self.model, self.params, self.seed, self.p_min, self.prompt_len = model, params, seed, p_min, prompt_len
+        self.width = min(model.n_vocab, target_vocab or model.n_vocab)
+        self.checked, self.foreign = 0, False  # context tokens checked so far; whether one is not in its vocab
+
+    def fits(self, context: Sequence[int]) -> bool:
+        """Whether the draft model can read this context: within its n_ctx, and only ids it has (a request's
+        context only grows, so each token is checked once)."""
+        if not self.foreign and len(context) > self.checked:
+            self.foreign = max(context[self.checked:]) >= self.model.n_vocab
+            self.checked = len(context)
+        return not self.foreign and len(context) < self.model.n_ctx
 
     def propose(self, context: Sequence[int], n: int) -> Draft:
         m = self.model
         n = min(n, m.n_ctx - len(context))
-        if n <= 0:
+        if n <= 0 or not self.fits(context):
             return EMPTY
-        row = m.sync(context, logits=True)[1][0]
+        row = m.sync(context, logits=True)[1][0][:self.width]
         history = list(context[self.prompt_len:]) if self.params.penalized else []  # only penalties read it
         tokens, qs = [], []
         for i in range(n):
             if self.params.greedy:
-                tok = choose(row, self.params, history, self.rng)
+                z = penalize(row, history, self.params)
+                tok = int(np.argmax(z))
                 # top probability without a softmax of the whole row: 1 / sum(exp(l - l_max))
-                if self.p_min > 0 and 1.0 / np.exp(row - row[tok]).sum() < self.p_min:
+                if self.p_min > 0 and 1.0 / np.exp(z - z[tok]).sum() < self.p_min:
                     break
             else:
-                q = probs(row, self.params, history)
-                if q.max() < self.p_min:
+                q = dist(row, self.params, history)
+                if q.p.max() < self.p_min:
                     break
-                tok = sample(q, self.rng)
+                tok = q.sample(position_rng(self.seed, len(context) - self.prompt_len + i, 1))
                 qs.append(q)
             tokens.append(tok)
             history.append(tok)
             if i + 1 < n:  # the last draft token is never decoded here: the target verifies it
-                row = m.decode([tok], logits="last")[0]
-        return Draft(tokens, np.stack(qs) if qs else None)
+                row = m.decode([tok], logits="last")[0][:self.width]
+        return Draft(tokens, qs if qs else None)
 
 
 class HybridDrafter:
@@ -132,40 +147,8 @@ class AcceptanceStats:
         self.tried[:n_tried] += 1
         self.accepted[:n_accepted] += 1
 
-    def forget(self, keep: float) -> None:
-        """Keep only this share of what was learned (the prior's weight stays whole)."""
-        self.tried *= keep
-        self.accepted *= keep
-
     def rates(self, n: int) -> np.ndarray:
         return (self.accepted[:n] + self.weight * self.prior) / (self.tried[:n] + self.weight)
-
-
-class AutoState:
-    """What the auto drafter has learned about this engine's models; kept across requests."""
-
-    def __init__(self, costs, k_max: int = 33):
-        self.costs = costs
-        # n-gram guesses are judged by the size of the match behind them (longer predicts better) and by the
-        # copy run they extend: how many tokens in a row the latest guesses got right (0, 1-3, 4+). Quoting is
-        # bursty: once the model copies a span it tends to go on, and a miss tends to start a new stretch.
-        self.ngram = {(size, run): AcceptanceStats(k_max, prior)
-                      for size, p0 in ((1, 0.1), (2, 0.25), (3, 0.35), (4, 0.45), (6, 0.55))
-                      for run, prior in ((0, p0), (1, 0.6), (2, 0.85))}
-        self.run = 0
-        self.model = AcceptanceStats(k_max, 0.7)
-        self.probe_every, self.since_model = 64, 0
-        # Where even a draft model that is always right would not clearly beat plain decoding (slow batched
-        # verify, costly draft), it is never tried: a probe would also pay for catching its cache up.
-        self.model_can_win = costs.draft is not None and (
-            _best(np.ones(k_max), costs, costs.draft)[1] > 1.25 / costs.verify_cost(1))
-
-
-    def new_text(self, carry: float) -> None:
-        """A new request begins: no copy run yet, and only `carry` of the n-gram statistics kept."""
-        self.run = 0
-        for stats in self.ngram.values():
-            stats.forget(carry)
 
 
 def _bucket(size: int) -> int:
@@ -173,11 +156,15 @@ def _bucket(size: int) -> int:
     return size if size <= 3 else 4 if size <= 5 else 6
 
 
-def _best(rates: np.ndarray, costs, extra_per_token: float = 0.0) -> tuple[int, float]:
-    """(K, expected tokens per second) of the best draft length given per-position acceptance rates."""
+def _best(rates: np.ndarray, cost, extra_per_token: float = 0.0, per_emitted: float = 0.0) -> tuple[int, float]:
+    """(K, expected tokens per second) of the best draft length given per-position acceptance rates.
+
+    cost(n) is the seconds of a verify of n tokens; extra_per_token the cost of drafting one; per_emitted the
+    cost of each row the acceptance rule reads (one per emitted token: rows past a rejection are never read).
+    """
     expected = 1.0 + np.cumsum(np.cumprod(rates))  # tokens a round yields with K = 1..len(rates) drafts
     ks = np.arange(1, len(rates) + 1)
-    speed = expected / (np.interp(ks + 1, costs.sizes, costs.verify) + extra_per_token * ks)
+    speed = expected / (cost(ks + 1) + extra_per_token * ks + per_emitted * expected)
     i = int(np.argmax(speed))
     return i + 1, float(speed[i])
 
@@ -186,11 +173,16 @@ class AutoDrafter:
     """Each round, the drafter and K that maximise expected tokens per second on this machine, or nothing.
 
     Expected speed of a K-token draft = (1 + sum over i <= K of a_1 * ... * a_i) / (verify(K + 1) + draft
-    cost), with verify and draft costs measured on this machine (calibrate.py) and acceptance rates a_i
-    learned as it goes. Plain decoding (1 / verify(1)) is always a candidate, so auto never speculates when
-    nothing is expected to beat it. N-gram lookups cost nothing, so every one is also scored against the
-    tokens that actually follow, whether it was drafted or not: the policy notices at once when the text
-    becomes predictable. The draft model is re-probed now and then, less often each time it loses.
+    cost), with verify and draft costs measured on this machine at the current context depth (calibrate.py)
+    and acceptance rates a_i learned as it goes. Plain decoding (1 / verify(1)) is always a candidate, so
+    auto never speculates when nothing is expected to beat it. N-gram lookups cost nothing, so every one is
+    also scored against the tokens that actually follow, whether it was drafted or not: the policy notices
+    at once when the text becomes predictable. The draft model is re-probed now and then, less often each
+    time it loses.
+
+    One AutoDrafter serves one request and starts from the same priors every time: its decisions depend on
+    the request alone, so the same request drafts the same way (and, at temperature 0, gives the same
+    text) however many requests came before it.
     """
 
     # Speculate only when it is expected to beat plain decoding by this factor: the estimates are noisy, and
@@ -198,23 +190,41 @@ class AutoDrafter:
     # against this machine's costs: 1.05 beats 1.0 slightly on average and lifts the worst prompt.)
     MARGIN = 1.05
 
-    # A new request is new text: how far the last one's copy runs went says little about this one's (an edit
-    # copies long spans, an explanation of the same code quotes short ones). Each request starts from this
-    # share of the n-gram statistics, so its own evidence takes over within a few rounds. (Replayed: with
-    # expensive verification the worst prompt goes from 0.88x to 0.94x; with this machine's costs no change.)
-    CARRY = 0.25
-
-    def __init__(self, state: AutoState, ngram: NgramDrafter, model: ModelDrafter | None):
-        self.state, self.ngram, self.model = state, ngram, model
+    def __init__(self, costs, ngram: NgramDrafter, model: ModelDrafter | None, *, k_max: int = 33,
+                 sample_rows: bool = False):
+        self.costs, self.ngram, self.model = costs, ngram, model
+        # Seconds to turn each verified row into a sampling distribution: nothing at temperature 0.
+        self.row_cost = costs.sample_row if sample_rows else 0.0
+        # n-gram guesses are judged by the size of the match behind them (longer predicts better) and by the
+        # copy run they extend: how many tokens in a row the latest guesses got right (0, 1-3, 4+). Quoting is
+        # bursty: once the model copies a span it tends to go on, and a miss tends to start a new stretch.
+        self.ngram_stats = {(size, run): AcceptanceStats(k_max, prior)
+                            for size, p0 in ((1, 0.1), (2, 0.25), (3, 0.35), (4, 0.45), (6, 0.55))
+                            for run, prior in ((0, p0), (1, 0.6), (2, 0.85))}
+        self.run = 0
+        self.model_stats = AcceptanceStats(k_max, 0.7)
+        self.probe_every, self.since_model = 64, 0
         self.pending: list[tuple[int, list[int], AcceptanceStats]] = []  # (position, tokens, whose stats)
-        state.new_text(self.CARRY)
+
+    def _cost(self, depth: int):
+        return lambda n: self.costs.verify_cost(n, depth)
+
+    def _plain(self, depth: int) -> float:
+        """Expected tokens per second of plain decoding."""
+        return 1.0 / (self.costs.verify_cost(1, depth) + self.row_cost)
+
+    def _model_can_win(self, depth: int, n: int) -> bool:
+        # Where even a draft model that is always right would not clearly beat plain decoding (slow batched
+        # verify, costly draft), it is never tried: a probe would also pay for catching its cache up.
+        speed = _best(np.ones(n), self._cost(depth), self.costs.draft_cost(depth), self.row_cost)[1]
+        return speed > 1.25 * self._plain(depth)
 
     def _learn(self, context: Sequence[int]) -> None:
         keep, run = [], None
         for pos, tokens, stats in self.pending:
             known = context[pos:pos + len(tokens)]
             m = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), len(known))
-            if stats is not self.state.model and pos + len(known) == len(context):
+            if stats is not self.model_stats and pos + len(known) == len(context):
                 run = m == len(known) and m > 0, len(known)  # the latest guess, against the newest tokens
             if m < len(known) or len(known) == len(tokens):
                 stats.update(min(m + 1, len(tokens)), m)
@@ -222,42 +232,44 @@ class AutoDrafter:
                 keep.append((pos, tokens, stats))
         self.pending = keep
         if run is not None:
-            self.state.run = self.state.run + run[1] if run[0] else 0
+            self.run = self.run + run[1] if run[0] else 0
 
     @property
     def _run_level(self) -> int:
-        return 0 if self.state.run == 0 else 1 if self.state.run < 4 else 2
+        return 0 if self.run == 0 else 1 if self.run < 4 else 2
 
     def propose(self, context: Sequence[int], n: int) -> Draft:
-        st, costs = self.state, self.state.costs
         self._learn(context)
         if n <= 0:
             return EMPTY
-        best = ("none", 0, self.MARGIN / costs.verify_cost(1))
+        depth = len(context)
+        cost = self._cost(depth)
+        best = ("none", 0, self.MARGIN * self._plain(depth))
         size, cont = self.ngram.lookup(context, n)
         if cont:
-            stats = st.ngram[_bucket(size), self._run_level]
+            stats = self.ngram_stats[_bucket(size), self._run_level]
             self.pending.append((len(context), cont, stats))
-            k, speed = _best(stats.rates(len(cont)), costs)
+            k, speed = _best(stats.rates(len(cont)), cost, 0.0, self.row_cost)
             if speed > best[2]:
                 best = ("ngram", k, speed)
         else:
-            st.run = 0
-        if self.model is not None and costs.draft is not None and st.model_can_win:
-            k, speed = _best(st.model.rates(n), costs, costs.draft)
-            st.since_model += 1
-            probe = st.since_model >= st.probe_every
+            self.run = 0
+        if (self.model is not None and self.costs.draft is not None and self.model.fits(context)
+                and self._model_can_win(depth, n)):
+            k, speed = _best(self.model_stats.rates(n), cost, self.costs.draft_cost(depth), self.row_cost)
+            self.since_model += 1
+            probe = self.since_model >= self.probe_every
             if speed > best[2] or probe:
                 if probe and speed <= best[2]:
-                    st.probe_every = min(2 * st.probe_every, 4096)
+                    self.probe_every = min(2 * self.probe_every, 4096)
                 best = ("model", k, speed)
         name, k, _ = best
         if name == "ngram":
             return Draft(cont[:k])
         if name == "model":
-            st.since_model = 0
+            self.since_model = 0
             d = self.model.propose(context, k)
             if d.tokens:
-                self.pending.append((len(context), d.tokens, st.model))
+                self.pending.append((len(context), d.tokens, self.model_stats))
             return d
         return EMPTY

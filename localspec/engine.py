@@ -5,26 +5,26 @@ and returns k+1 logit rows; the acceptance rule keeps a prefix of the draft and 
 target's KV cache is cut back to what was kept. Plain decoding is the same loop with an empty draft.
 
 `speculate` yields facts (Prefill, Round, Token, Finish); `Stream` turns them into user events with text
-and folds them into Stats. Everything else (generate, chat, CLI) reads that one stream.
+and folds them into Stats. Everything else (generate, chat, CLI, server, bench) reads that one stream.
 """
 from __future__ import annotations
 
+import contextlib
+import secrets
+import threading
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import acceptance
-from .drafters import (EMPTY, AutoDrafter, AutoState, Draft, Drafter, HybridDrafter, ModelDrafter, NgramDrafter,
-                       NoDrafter)
+from . import acceptance, defaults
+from .acceptance import Lazy
+from .drafters import EMPTY, AutoDrafter, Draft, Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from .errors import LocalspecError
-from .model import Model
-from .registry import DRAFTERS
-from .sampling import SamplingParams, choose, penalize, probs
+from .model import Cancelled, Model
+from .sampling import SamplingParams, dist, penalize, position_rng
 from .text import TextStream
-
-RULES = ("rejection", "greedy", "threshold")
 
 
 class RequestError(LocalspecError):
@@ -44,7 +44,7 @@ class Prefill:
 @dataclass(frozen=True, slots=True)
 class Round:
     drafted: int
-    accepted: int
+    accepted: int  # draft tokens emitted (an end-of-generation token inside the draft ends the count)
     draft_s: float
     verify_s: float
 
@@ -57,18 +57,18 @@ class Token:
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    reason: str  # "stop" or "length"
+    reason: str  # "stop", "length" or "cancelled"
 
 
 # ---- the loop ----
-def prefill(target: Model, draft: Model | None, prompt: Sequence[int]) -> Prefill:
+def prefill(target: Model, draft: Model | None, prompt: Sequence[int], cancel) -> Prefill:
     """Cache all but the last prompt token in both models, reusing any cached prefix.
 
     The last prompt token opens round one (the target verifies it, the drafter re-reads it).
     """
     t = time.perf_counter()
-    reused, _ = target.sync(prompt[:-1])
-    d_reused = draft.sync(prompt[:-1])[0] if draft is not None else 0
+    reused, _ = target.sync(prompt[:-1], cancel=cancel)
+    d_reused = draft.sync(prompt[:-1], cancel=cancel)[0] if draft is not None else 0
     n = len(prompt) - 1
     return Prefill(reused, n - reused, d_reused, (n - d_reused) if draft else 0, time.perf_counter() - t)
 
@@ -79,24 +79,28 @@ def verify(target: Model, pending: int, draft: Draft) -> np.ndarray:
 
 
 def accept(rule: str, rows: np.ndarray, draft: Draft, params: SamplingParams, history: list[int],
-           rng: np.random.Generator, tau: float) -> tuple[int, int]:
-    """Turn logit rows into the target's distributions and apply the acceptance rule."""
-    d = draft.tokens
-    hist = [history + d[:i] for i in range(len(d) + 1)] if params.penalized else [history] * (len(d) + 1)
+           rngs: Sequence[np.random.Generator], tau: float) -> tuple[int, int]:
+    """Turn logit rows into the target's distributions (only as far as the rule reads) and apply the rule."""
+    d, n = draft.tokens, len(draft.tokens) + 1
+
+    def hist(i: int) -> list[int]:
+        return history + d[:i] if params.penalized else history
+
+    def argmax(i: int) -> int:
+        return int(np.argmax(penalize(rows[i], hist(i), params)))
+
     if params.greedy and rule != "threshold":
         # At temperature 0 rejection sampling reduces exactly to token match: no softmax needed.
-        if params.penalized:
-            return acceptance.accept_greedy([int(np.argmax(penalize(r, h, params))) for r, h in zip(rows, hist)], d)
-        return acceptance.accept_greedy(rows.argmax(axis=1).tolist(), d)
+        return acceptance.accept_greedy(Lazy(n, argmax), d)
+    p = Lazy(n, lambda i: dist(rows[i], params, hist(i)))
+    choice = Lazy(n, argmax if params.greedy else lambda i: p[i].sample(rngs[i]))
     if rule == "greedy":
-        return acceptance.accept_greedy([choose(r, params, h, rng) for r, h in zip(rows, hist)], d)
+        return acceptance.accept_greedy(choice, d)
     if rule == "rejection":
-        p = np.stack([probs(r, params, h) for r, h in zip(rows, hist)])
-        return acceptance.accept_rejection(p, draft.q, d, rng)
+        return acceptance.accept_rejection(p, draft.q, d, rngs)
     # threshold: at temperature 0 the test uses the distribution at temperature 1, the choice stays argmax
-    tp = replace(params, temperature=1.0) if params.greedy else params
-    p = np.stack([probs(r, tp, h) for r, h in zip(rows, hist)])
-    return acceptance.accept_threshold(p, d, tau, [choose(r, params, h, rng) for r, h in zip(rows, hist)])
+    p1 = Lazy(n, lambda i: dist(rows[i], replace(params, temperature=1.0), hist(i))) if params.greedy else p
+    return acceptance.accept_threshold(p1, d, tau, choice)
 
 
 def rewind(target: Model, n: int) -> None:
@@ -105,48 +109,68 @@ def rewind(target: Model, n: int) -> None:
 
 
 def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt: Sequence[int], *, max_tokens: int,
-              k: int, rule: str, params: SamplingParams, rng: np.random.Generator, tau: float = 0.0,
-              prefill_draft: bool = True) -> Iterator:
+              k: int, rule: str, params: SamplingParams, seed: int, tau: float = 0.0, prefill_draft: bool = True,
+              lock=contextlib.nullcontext(), cancel: Callable[[], bool] | None = None) -> Iterator:
     """The decoding loop. Yields Prefill, then per round a Round and its Tokens, then one Finish.
 
     draft_model is the drafter's model, if any: prefilled with the prompt (unless prefill_draft is False,
     for drafters that may never use it) and kept consistent when the consumer stops early.
+    Output position j draws from its own random stream position_rng(seed, j), so a seeded request gives the
+    same tokens whatever was drafted. `lock` is held while the models are used (never across a yield), and
+    a round that finds the target changed by someone else since (another stream on the same engine) first
+    puts the target's cache back to its own context. `cancel` is checked between prefill chunks and rounds.
 
     Invariant at the top of each round: target.tokens == context[:-1]; context[-1] is `pending`, the
     newest token, not yet evaluated by the target.
     """
     context = list(prompt)
     try:
-        yield prefill(target, draft_model if prefill_draft else None, context)
+        with lock:
+            pre = prefill(target, draft_model if prefill_draft else None, context, cancel)
+            seen = target.version
+        yield pre
         produced = 0
         while True:
             room = target.n_ctx - len(context)  # positions left once pending is evaluated
             if produced >= max_tokens or room < 0:
                 yield Finish("length")
                 return
+            if cancel is not None and cancel():
+                yield Finish("cancelled")
+                return
             n = min(k, max_tokens - produced - 1, room)
-            t0 = time.perf_counter()
-            draft = drafter.propose(context, n) if n > 0 else EMPTY
-            t1 = time.perf_counter()
-            rows = verify(target, context[-1], draft)
-            t2 = time.perf_counter()
             history = context[len(prompt):] if params.penalized else []  # only penalties read it
-            n_acc, nxt = accept(rule, rows, draft, params, history, rng, tau)
-            rewind(target, len(context) + n_acc)
-            yield Round(len(draft.tokens), n_acc, t1 - t0, t2 - t1)
-            for tok, from_draft in [*((t, True) for t in draft.tokens[:n_acc]), (nxt, False)]:
-                if target.is_eog(tok):
-                    yield Finish("stop")
-                    return
+            rngs = Lazy(n + 1, lambda i, at=produced: position_rng(seed, at + i))
+            with lock:
+                if target.version != seen:
+                    target.sync(context[:-1], cancel=cancel)
+                t0 = time.perf_counter()
+                draft = drafter.propose(context, n) if n > 0 else EMPTY
+                t1 = time.perf_counter()
+                rows = verify(target, context[-1], draft)
+                t2 = time.perf_counter()
+                n_acc, nxt = accept(rule, rows, draft, params, history, rngs, tau)
+                rewind(target, len(context) + n_acc)
+                seen = target.version
+            out = [*draft.tokens[:n_acc], nxt]
+            end = next((i for i, t in enumerate(out) if target.is_eog(t)), None)  # never emitted
+            yield Round(len(draft.tokens), n_acc if end is None else min(n_acc, end), t1 - t0, t2 - t1)
+            for i, tok in enumerate(out[:end]):
                 context.append(tok)
                 produced += 1
-                yield Token(tok, from_draft)
+                yield Token(tok, i < n_acc)
+            if end is not None:
+                yield Finish("stop")
+                return
+    except Cancelled:
+        yield Finish("cancelled")
     finally:
         # A consumer that stops early (stop string, Ctrl-C, closed stream) may leave the generator between a
         # decode and the bookkeeping after it: drop any position the token list does not account for.
-        for m in (target, draft_model):
-            if m is not None:
-                m.truncate(len(m.tokens))
+        with lock:
+            for m in (target, draft_model):
+                if m is not None:
+                    m.truncate(len(m.tokens))
 
 
 # ---- events and stats for users ----
@@ -164,7 +188,7 @@ class Stats:
     drafter: str
     rule: str
     lossless: bool
-    k: int
+    k: int  # draft tokens per round at most, after clamping to what one decode holds
     finish_reason: str
     prompt_tokens: int
     prompt_reused: int
@@ -181,6 +205,8 @@ class Stats:
     accepted_at: tuple[int, ...]  # accepted_at[i]: rounds whose draft token i was accepted
     draft_s: float
     verify_s: float
+    seed: int  # the request's seed (drawn at random when none was given): pass it again to reproduce a run
+    notes: tuple[str, ...] = ()  # what the request asked for but did not get, and why
 
     @property
     def acceptance_rate(self) -> float:
@@ -201,7 +227,7 @@ class Stats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["accepted_at"] = list(self.accepted_at)
+        d["accepted_at"], d["notes"] = list(self.accepted_at), list(self.notes)
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted=self.mean_accepted,
                  prompt_tps=self.prompt_tps, gen_tps=self.gen_tps)
         return d
@@ -212,18 +238,19 @@ class Stats:
         if self.drafted:
             s += (f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.0%}), "
                   f"{self.mean_accepted:.2f} per round")
-        return s + f"; {self.rule} ({'lossless' if self.lossless else 'LOSSY'})"
+        s += f"; {self.rule} ({'lossless' if self.lossless else 'LOSSY'})"
+        return s + "".join(f"\nnote: {n}" for n in self.notes)
 
 
 class Stream:
     """Iterate for Events; after the last one, `stats` and `finish_reason` are set."""
 
     def __init__(self, facts: Iterator, piece, *, stop: Sequence[str], drafter: str, rule: str, k: int,
-                 prompt_tokens: int):
+                 prompt_tokens: int, seed: int = 0, notes: Sequence[str] = ()):
         self._facts, self._piece = facts, piece
         self._text = TextStream(stop)
         self._meta = dict(drafter=drafter, rule=rule, lossless=acceptance.LOSSLESS[rule], k=k,
-                          prompt_tokens=prompt_tokens)
+                          prompt_tokens=prompt_tokens, seed=seed, notes=tuple(notes))
         self.stats: Stats | None = None
         self.finish_reason: str | None = None
 
@@ -296,35 +323,40 @@ class Result:
 class Request:
     """Everything one generation call may set, validated once."""
 
-    max_tokens: int = 256
-    sampling: SamplingParams = SamplingParams()
+    max_tokens: int = defaults.MAX_TOKENS
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     drafter: str | None = None
-    accept: str = "rejection"
-    k: int | None = None  # draft tokens per round; under auto the upper bound. Default: 16 for auto, else 4
-    p_min: float = 0.75
-    threshold: float = 0.5
+    accept: str = defaults.ACCEPT
+    k: int | None = None  # draft tokens per round; under auto the upper bound. Default: K_AUTO / K_FIXED
+    p_min: float = defaults.P_MIN
+    threshold: float = defaults.THRESHOLD
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("max_tokens", "seed", "k"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise RequestError(f"{name} must be an integer, got {v!r}")
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise RequestError(f"seed must be a non-negative integer, got {self.seed}")
+            raise RequestError(f"seed must be a non-negative integer below 2**63, got {self.seed}")
         if self.k is not None and self.k < 1:
             raise RequestError(f"k (draft tokens per round) must be at least 1, got {self.k}")
-        if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise RequestError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
-        if self.accept not in RULES:
-            raise RequestError(f"accept must be one of {', '.join(RULES)}, got {self.accept!r}")
-        if not 0.0 <= self.p_min <= 1.0:
-            raise RequestError(f"p_min must be in [0, 1], got {self.p_min}")
-        if not 0.0 <= self.threshold <= 1.0:
-            raise RequestError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.drafter is not None and self.drafter not in defaults.DRAFTERS:
+            raise RequestError(f"drafter must be one of {', '.join(defaults.DRAFTERS)}, got {self.drafter!r}")
+        if self.accept not in defaults.RULES:
+            raise RequestError(f"accept must be one of {', '.join(defaults.RULES)}, got {self.accept!r}")
+        for name in ("p_min", "threshold"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise RequestError(f"{name} must be in [0, 1], got {v!r}")
+        if not all(isinstance(x, str) for x in self.stop):
+            raise RequestError("stop must be a string or a list of strings")
 
 
-_SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
-                  "presence_penalty", "penalty_last_n"}
+_SAMPLING_KEYS = set(defaults.SAMPLING)
 
 
 def make_request(**kw) -> Request:
@@ -336,40 +368,63 @@ def make_request(**kw) -> Request:
         kw["stop"] = tuple(kw["stop"])
     else:
         kw.pop("stop", None)
-    unknown = sorted(set(kw) - {f for f in Request.__dataclass_fields__} )
+    unknown = sorted(set(kw) - {f for f in Request.__dataclass_fields__})
     if unknown:
         raise RequestError(f"unknown generation option {unknown[0]!r}")
     return Request(sampling=sampling, **kw)
 
 
 class Engine:
-    """A target model, an optional draft model, and the generation API over them (see localspec.load)."""
+    """A target model, an optional draft model, and the generation API over them (see localspec.load).
+
+    Safe to share between threads and between interleaved streams: each round holds the engine's lock and
+    first restores the target's cache to its own context if another stream changed it (correct, but each
+    switch costs a prefill of what differs; one stream at a time is the fast way).
+    """
 
     def __init__(self, target: Model, draft: Model | None = None, *, name: str | None = None,
                  defaults: dict | None = None):
         self.target, self.draft = target, draft
         self.name = name or target.path.stem
         self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
-        self._auto: AutoState | None = None
+        self._costs = None
+        self._lock = threading.RLock()
 
     # -- prompts --
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        return self.target.tokenize(text, add_special=add_special)
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.target.detokenize(tokens)
 
+    def _template_kwargs(self) -> dict:
+        t = self.target
+        return dict(bos_token=t.token_text(t.bos).decode(errors="replace") if t.bos >= 0 else "",
+                    eos_token=t.token_text(t.eos).decode(errors="replace") if t.eos >= 0 else "")
+
     def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
         from .chat import render
 
-        t = self.target
-        return render(t.chat_template(), messages, add_generation_prompt=add_generation_prompt,
-                      bos_token=t.token_text(t.bos).decode(errors="replace") if t.bos >= 0 else "",
-                      eos_token=t.token_text(t.eos).decode(errors="replace") if t.eos >= 0 else "")
+        return render(self.target.chat_template(), messages, add_generation_prompt=add_generation_prompt,
+                      **self._template_kwargs())
 
     def chat_tokens(self, messages: Sequence[dict]) -> list[int]:
-        # The template writes BOS itself when the model wants one: do not add it again.
-        return self.tokenize(self.render_chat(messages), add_special=False)
+        """The prompt tokens of a conversation, rendered with the target's chat template.
+
+        Message text is tokenized as plain text: a message that contains '<|im_start|>' gets the characters,
+        never the control token, so no message can forge a turn. Only the template's own markup becomes
+        special tokens. (The template writes BOS itself when the model wants one.)
+        """
+        from .chat import segments
+
+        def special(text: str) -> bool:  # does the text hold a control token's spelling?
+            return self.tokenize(text, add_special=False) != self.tokenize(text, add_special=False,
+                                                                           parse_special=False)
+
+        out = []
+        for text, markup in segments(self.target.chat_template(), messages, special, **self._template_kwargs()):
+            out += self.tokenize(text, add_special=False, parse_special=markup)
+        return out
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -388,50 +443,72 @@ class Engine:
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.target.n_vocab - 1})")
         return tokens
 
-    def auto_state(self) -> AutoState:
-        """What auto has learned on this engine; the first call measures this machine's costs (cached on disk)."""
-        if self._auto is None:
+    def calibration(self, *, force: bool = False):
+        """This machine's speculation costs for these models (calibrate.Costs); measured on first use, cached."""
+        if self._costs is None or force:
             from .calibrate import load_or_measure
             from .registry import home
 
-            self._auto = AutoState(load_or_measure(self.target, self.draft, home() / "calibration"))
-        return self._auto
+            with self._lock:
+                self._costs = load_or_measure(self.target, self.draft, home() / "calibration", force=force)
+        return self._costs
 
-    def _drafter(self, req: Request, rng: np.random.Generator, prompt_len: int) -> tuple[str, Drafter]:
-        name = req.drafter or "auto"
+    def _drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str]) -> tuple[str, Drafter, bool]:
+        """(name, drafter, whether to prefill the draft model with the prompt)."""
+        name = req.drafter or defaults.DRAFTER
         if name in ("model", "hybrid") and self.draft is None:
             raise RequestError(f"drafter {name!r} needs a draft model: load one (draft=PATH, --draft) "
                                "or use drafter 'auto', 'ngram' or 'none'")
         if name == "none":
-            return name, NoDrafter()
+            return name, NoDrafter(), False
         if name == "ngram":
-            return name, NgramDrafter()
-        model = (ModelDrafter(self.draft, req.sampling, rng, p_min=req.p_min, prompt_len=prompt_len)
-                 if self.draft is not None else None)
+            return name, NgramDrafter(), False
+        model = (ModelDrafter(self.draft, req.sampling, seed=seed, p_min=req.p_min, prompt_len=len(tokens),
+                              target_vocab=self.target.n_vocab) if self.draft is not None else None)
+        fits = model is not None and model.fits(tokens)
+        if model is not None and not fits:
+            why = (f"the prompt ({len(tokens)} tokens) does not fit the draft model's context "
+                   f"(n_ctx_draft={self.draft.n_ctx})" if len(tokens) >= self.draft.n_ctx else
+                   f"the prompt holds token ids the draft model lacks (its vocabulary has {self.draft.n_vocab})")
+            if name == "model":
+                raise RequestError(f"drafter 'model' cannot draft for this request: {why}; raise --n-ctx-draft, "
+                                   "or use drafter 'auto' or 'ngram', which stand aside")
+            notes.append(f"the draft model stands aside: {why}")
         if name == "auto":
-            return name, AutoDrafter(self.auto_state(), NgramDrafter(n_min=1, n_max=8), model)
-        return name, model if name == "model" else HybridDrafter(NgramDrafter(), model)
+            # auto may never call the draft model (on a CPU it rarely pays): it catches up lazily if it does.
+            return name, AutoDrafter(self.calibration(), NgramDrafter(n_min=1, n_max=8), model if fits else None,
+                                     sample_rows=not req.sampling.greedy), False
+        if name == "model":
+            return name, model, True
+        return name, HybridDrafter(NgramDrafter(), model), fits
 
     # -- generation --
-    def stream(self, prompt: str | Sequence[int], **options) -> Stream:
+    def stream(self, prompt: str | Sequence[int], *, cancel: Callable[[], bool] | None = None, **options) -> Stream:
         """Generate, yielding one Event per token; `.stats` is set once the stream ends.
 
         prompt: text (special tokens such as <|im_start|> are recognised) or token ids.
         options: max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
-        presence_penalty, seed, drafter ('auto', 'model', 'ngram', 'hybrid', 'none'), accept ('rejection',
-        'greedy', 'threshold'), k, p_min, threshold, stop.
+        presence_penalty, penalty_last_n, seed, drafter ('auto', 'model', 'ngram', 'hybrid', 'none'), accept
+        ('rejection', 'greedy', 'threshold'), k, p_min, threshold, stop.
+        cancel: a callable checked between prefill chunks and rounds; when it returns True the stream ends
+        with finish_reason 'cancelled'.
         """
         req = make_request(**(self.defaults | {k: v for k, v in options.items() if v is not None}))
         tokens = self._prompt_tokens(prompt)
-        rng = np.random.default_rng(req.seed)
-        name, drafter = self._drafter(req, rng, len(tokens))
-        k = req.k or (16 if name == "auto" else 4)
-        # auto may never call the draft model (on a CPU it rarely pays): it catches up lazily if it does.
-        facts = speculate(self.target, None if name in ("none", "ngram") else self.draft, drafter, tokens,
-                          max_tokens=req.max_tokens, k=k, rule=req.accept, params=req.sampling, rng=rng,
-                          tau=req.threshold, prefill_draft=name != "auto")
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        notes: list[str] = []
+        name, drafter, prefill_draft = self._drafter(req, seed, tokens, notes)
+        k = req.k or (defaults.K_AUTO if name == "auto" else defaults.K_FIXED)
+        if k > self.target.n_batch - 1:  # [pending, d1..dk] must fit one decode
+            notes.append(f"k={k} is more than one decode holds: clamped to {self.target.n_batch - 1} "
+                         f"(n_batch={self.target.n_batch})")
+            k = self.target.n_batch - 1
+        draft_model = self.draft if name in ("model", "hybrid", "auto") else None
+        facts = speculate(self.target, draft_model, drafter, tokens, max_tokens=req.max_tokens, k=k, rule=req.accept,
+                          params=req.sampling, seed=seed, tau=req.threshold, prefill_draft=prefill_draft,
+                          lock=self._lock, cancel=cancel)
         return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
-                      prompt_tokens=len(tokens))
+                      prompt_tokens=len(tokens), seed=seed, notes=notes)
 
     def generate(self, prompt: str | Sequence[int], **options) -> Result:
         """Generate to the end and return the text, tokens, from_draft flags, finish_reason and stats."""

@@ -31,6 +31,15 @@ class ContextFullError(LocalspecError):
     """The KV cache has no room for the tokens asked to decode."""
 
 
+class Cancelled(LocalspecError):
+    """A caller's cancel() returned True during a long decode (a prefill); the cache holds what was done."""
+
+
+# A prefill that may be cancelled runs in chunks of this many tokens: about a second each for a 1.5B model
+# on two CPU cores, so a client that leaves, or a shutdown, waits at most that long.
+PREFILL_CHUNK = 128
+
+
 # ---- llama.cpp logging: silent unless asked, but the last lines are kept for error messages ----
 _recent_log: deque[str] = deque(maxlen=20)
 _verbose = False
@@ -112,9 +121,8 @@ def resolve_flash_attn(cfg: ModelConfig) -> str:
     llama.cpp's auto turns flash attention on wherever it is supported, the CPU included, but there its CPU
     kernel is slower than the plain one, and more so with batches and long contexts. Measured on a 2-core
     EPYC with Qwen2.5-Coder-1.5B Q4_K_M at 2,000 cached tokens: a 1-token decode 41.7 ms off vs 46.0 ms on,
-    a 16-token verify 291 vs 408 ms. A quantized V cache needs flash attention, and `exact` needs its
-    batch-invariant kernel (without it a query row's attention sums in an order that depends on the batch):
-    both keep llama.cpp's auto.
+    a 16-token verify 291 vs 408 ms. A quantized V cache needs flash attention: it keeps llama.cpp's auto.
+    (With `exact`, load() settles the setting by probing which one is batch-invariant on this machine.)
     """
     if cfg.flash_attn == "auto" and cfg.n_gpu_layers == 0 and cfg.type_v in ("f16", "f32", "bf16") and not cfg.exact:
         return "off"
@@ -147,6 +155,7 @@ class Model:
         self.path = check_gguf(path)
         self.cfg = cfg
         self.tokens: list[int] = []
+        self.version = 0  # bumped by every change to the cache: a stream notices another user's changes
         self.decode_s = 0.0  # total time inside llama_decode: profiles read it to find Python overhead
         self._model = self._ctx = self._batch = None
         mp = L.llama_model_default_params()
@@ -162,7 +171,7 @@ class Model:
             # CPU matmuls switch kernels at 64-row batches: smaller physical batches keep a prompt prefilled in
             # one go bit-identical to the same tokens decoded a few at a time (multi-turn chat, prefix reuse).
             cp.n_ubatch = 32
-        cp.n_threads = cp.n_threads_batch = threads
+        cp.n_threads = cp.n_threads_batch = self.n_threads = threads
         self.flash_attn = resolve_flash_attn(cfg)
         cp.flash_attn_type = FLASH_ATTN[self.flash_attn]
         cp.type_k, cp.type_v = KV_TYPES[cfg.type_k], KV_TYPES[cfg.type_v]
@@ -187,8 +196,10 @@ class Model:
         self._ctx = L.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()
+            quantized = cfg.type_k != "f16" or cfg.type_v != "f16"
             raise ModelError(f"llama.cpp could not create a context for {self.path.name} with n_ctx={cfg.n_ctx}"
-                             f"{_last_log()}; try a smaller n_ctx or a quantized KV cache (type_k/type_v q8_0)")
+                             f"{_last_log()}; try a smaller n_ctx"
+                             + ("" if quantized else " or a quantized KV cache (type_k/type_v q8_0)"))
         self._mem = L.llama_get_memory(self._ctx)
         self.n_ctx = L.llama_n_ctx(self._ctx)
         self.n_batch = cp.n_batch
@@ -240,16 +251,6 @@ class Model:
     def token_text(self, token: int) -> bytes:
         return L.llama_vocab_get_text(self.vocab, token) or b""
 
-    def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace")
-
     def chat_template(self) -> str | None:
         t = L.llama_model_chat_template(self._model, None)
         return t.decode("utf-8") if t else None
@@ -287,6 +288,7 @@ class Model:
                     raise ContextFullError(f"no KV cache slot for {m} tokens at position {p0} (n_ctx={self.n_ctx})")
                 raise ModelError(f"llama_decode failed with code {rc}{_last_log()}")
             self.tokens.extend(chunk)
+            self.version += 1
         if logits == "none":
             return None
         rows = n if logits == "all" else 1
@@ -295,13 +297,16 @@ class Model:
     def truncate(self, n: int) -> None:
         """Forget every cached position >= n."""
         del self.tokens[n:]  # first: an interrupt between the two steps leaves the cache >= the list, never <
+        self.version += 1
         if not L.llama_memory_seq_rm(self._mem, 0, n, -1):
             raise ModelError(f"llama.cpp refused to roll the KV cache of {self.path.name} back to {n} tokens")
 
-    def sync(self, tokens: Sequence[int], *, logits: bool = False) -> tuple[int, np.ndarray | None]:
+    def sync(self, tokens: Sequence[int], *, logits: bool = False, cancel=None) -> tuple[int, np.ndarray | None]:
         """Make the cache hold exactly `tokens`, reusing the longest common prefix already cached.
 
         Returns (tokens reused, the last token's logit row when `logits`; that token is re-decoded if needed).
+        cancel: checked between chunks of PREFILL_CHUNK tokens; when it returns True, Cancelled is raised and
+        the cache holds the chunks done so far (a later sync reuses them).
         """
         keep = 0
         for a, b in zip(self.tokens, tokens):
@@ -311,7 +316,16 @@ class Model:
         if logits:
             keep = min(keep, len(tokens) - 1)
         self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list
-        return keep, self.decode(tokens[keep:], logits="last" if logits else "none")
+        rest = tokens[keep:]
+        if cancel is not None:
+            while len(rest) > PREFILL_CHUNK:
+                if cancel():
+                    raise Cancelled("cancelled during the prefill")
+                self.decode(rest[:PREFILL_CHUNK], logits="none")
+                rest = rest[PREFILL_CHUNK:]
+            if cancel():
+                raise Cancelled("cancelled during the prefill")
+        return keep, self.decode(rest, logits="last" if logits else "none")
 
     def pos_max(self) -> int:
         """llama.cpp's own view of the last cached position (-1 when empty)."""

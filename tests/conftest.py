@@ -49,6 +49,7 @@ class FakeModel:
         self.table, self.n_vocab, self.n_ctx, self.eog = table, n_vocab, n_ctx, eog
         self.tokens: list[int] = []
         self.decodes: list[list[int]] = []
+        self.version, self.n_batch = 0, 512
 
     def row(self, t: int) -> np.ndarray:
         return self.table.get(t, np.zeros(self.n_vocab, dtype=np.float32))
@@ -59,6 +60,7 @@ class FakeModel:
         if tokens:
             self.decodes.append(list(tokens))
         self.tokens.extend(tokens)
+        self.version += 1
         if logits == "none" or not tokens:
             return None
         rows = np.stack([self.row(t) for t in tokens])
@@ -66,8 +68,9 @@ class FakeModel:
 
     def truncate(self, n):
         del self.tokens[n:]
+        self.version += 1
 
-    def sync(self, tokens, *, logits=False):
+    def sync(self, tokens, *, logits=False, cancel=None):
         keep = 0
         for a, b in zip(self.tokens, tokens):
             if a != b:

@@ -5,7 +5,7 @@ import pytest
 from scipy.stats import chisquare
 
 from localspec.acceptance import LOSSLESS, accept_greedy, accept_rejection, accept_threshold
-from localspec.sampling import SamplingParams, probs, sample
+from localspec.sampling import Dist, SamplingParams, dist
 
 V = 8
 TRIALS = 20_000
@@ -20,9 +20,19 @@ def dists(rng, temperature, top_p):
     logits[np.arange(3), rng.integers(V, size=3)] = -10.0
     target = SamplingParams(temperature=temperature, top_k=0, top_p=top_p, min_p=0.02)
     draft = SamplingParams(temperature=temperature + 0.3, top_k=0, top_p=1.0, min_p=0.0)
-    p = np.array([probs(row, target) for row in logits])
-    q = np.array([probs(row + 0.7 * rng.standard_normal(V), draft) for row in logits[:2]])
+    p = [dist(row, target) for row in logits]
+    q = [dist(row + 0.7 * rng.standard_normal(V), draft) for row in logits[:2]]
     return p, q
+
+
+def dense(rows):
+    return np.array([r.dense(V) for r in rows])
+
+
+def sparse(row):
+    row = np.asarray(row, dtype=np.float64)
+    ids = np.flatnonzero(row)
+    return Dist(ids, row[ids] / row[ids].sum())
 
 
 def emitted(n, token, draft):
@@ -56,25 +66,26 @@ def test_rejection_with_a_stochastic_draft_emits_p(temperature, top_p):
     p, q = dists(rng, temperature, top_p)
 
     def step():
-        draft = [sample(q[0], rng), sample(q[1], rng)]
-        return emitted(*accept_rejection(p, q, draft, rng), draft)
+        draft = [q[0].sample(rng), q[1].sample(rng)]
+        return emitted(*accept_rejection(p, q, draft, [rng] * 3), draft)
 
     positions = run(step)
     for j in range(3):  # the correction, the second token given the first accepted, the bonus
         assert len(positions[j]) > 1000
-        assert_distributed_as(positions[j], p[j])
+        assert_distributed_as(positions[j], dense(p)[j])
 
 
 @pytest.mark.parametrize("temperature, top_p", CHAINS)
 def test_rejection_with_a_point_mass_draft_emits_p(temperature, top_p):
     rng = np.random.default_rng(11)
-    p, _ = dists(rng, temperature, top_p)
+    rows, _ = dists(rng, temperature, top_p)
+    p = dense(rows)
     inside = [int(np.argmax(p[0])), int(np.argmax(p[1]))]  # often accepted, so position 1 is reached
     outside = [int(np.argmin(p[0])), inside[1]]
     assert p[0, outside[0]] == 0
 
     for draft in (inside, outside):
-        positions = run(lambda: emitted(*accept_rejection(p, None, draft, rng), draft))
+        positions = run(lambda: emitted(*accept_rejection(rows, None, draft, [rng] * 3), draft))
         assert_distributed_as(positions[0], p[0])
         if draft is inside:
             assert_distributed_as(positions[1], p[1])
@@ -86,19 +97,13 @@ def test_greedy_matching_with_a_sampled_target_emits_p(temperature, top_p):
     p, q = dists(rng, temperature, top_p)
 
     def step():
-        draft = [sample(q[0], rng), sample(q[1], rng)]
-        target_choice = [sample(row, rng) for row in p]
+        draft = [q[0].sample(rng), q[1].sample(rng)]
+        target_choice = [row.sample(rng) for row in p]
         return emitted(*accept_greedy(target_choice, draft), draft)
 
     positions = run(step, trials=5_000)
     for j in range(2):
-        assert_distributed_as(positions[j], p[j])
-
-
-def one_hot(token):
-    row = np.zeros(V)
-    row[token] = 1.0
-    return row
+        assert_distributed_as(positions[j], dense(p)[j])
 
 
 def test_rejection_at_temperature_zero_is_greedy_matching():
@@ -106,15 +111,14 @@ def test_rejection_at_temperature_zero_is_greedy_matching():
     greedy = SamplingParams(temperature=0.0)
     for _ in range(2_000):
         k = int(rng.integers(0, 5))
-        p = np.array([probs(rng.standard_normal(V), greedy) for _ in range(k + 1)])
-        target_choice = [int(np.argmax(row)) for row in p]
+        p = [dist(rng.standard_normal(V), greedy) for _ in range(k + 1)]
+        target_choice = [int(row.ids[0]) for row in p]
         # each draft token matches the target about half the time
         draft = [c if rng.random() < 0.5 else int(rng.integers(V)) for c in target_choice[:k]]
-        q = np.array([one_hot(d) for d in draft]).reshape(k, V)
+        q = [Dist.point(d) for d in draft]
         expected = accept_greedy(target_choice, draft)
-        seeds = [np.random.default_rng(s) for s in (0, 1)]
-        assert accept_rejection(p, q, draft, seeds[0]) == expected
-        assert accept_rejection(p, None, draft, seeds[1]) == expected
+        assert accept_rejection(p, q, draft, [np.random.default_rng(0)] * (k + 1)) == expected
+        assert accept_rejection(p, None, draft, [np.random.default_rng(1)] * (k + 1)) == expected
 
 
 def test_greedy_exact_cases():
@@ -126,13 +130,7 @@ def test_greedy_exact_cases():
 
 
 def test_threshold_exact_cases():
-    p = np.array(
-        [
-            [0.5, 0.3, 0.2, 0.0],
-            [0.1, 0.6, 0.3, 0.0],
-            [0.25, 0.25, 0.25, 0.25],
-        ]
-    )
+    p = [sparse(r) for r in ([0.5, 0.3, 0.2, 0.0], [0.1, 0.6, 0.3, 0.0], [0.25, 0.25, 0.25, 0.25])]
     choice = [0, 1, 3]
     assert accept_threshold(p, [1, 2], 0.5, choice) == (2, 3)  # 0.3 >= 0.25, 0.3 >= 0.3: bonus
     assert accept_threshold(p, [1, 0], 0.5, choice) == (1, 1)  # 0.1 < 0.3: the target's choice
@@ -153,22 +151,39 @@ def test_only_threshold_is_lossy():
 
 def test_no_draft():
     rng = np.random.default_rng(14)
-    p = np.array([[0.0, 0.0, 1.0, 0.0]])
+    p = [sparse([0.0, 0.0, 1.0, 0.0])]
     assert accept_greedy([2], []) == (0, 2)
-    assert accept_rejection(p, None, [], rng) == (0, 2)
-    assert accept_rejection(p, np.zeros((0, 4)), [], rng) == (0, 2)
+    assert accept_rejection(p, None, [], [rng]) == (0, 2)
+    assert accept_rejection(p, [], [], [rng]) == (0, 2)
     assert accept_threshold(p, [], 0.5, [2]) == (0, 2)
-    p = np.array([[0.2, 0.0, 0.5, 0.3]])
-    assert_distributed_as([accept_rejection(p, None, [], rng)[1] for _ in range(5_000)], p[0])
+    p = [sparse([0.2, 0.0, 0.5, 0.3])]
+    assert_distributed_as([accept_rejection(p, None, [], [rng])[1] for _ in range(5_000)], p[0].dense(4))
 
 
 def test_degenerate_rows():
-    rng = np.random.default_rng(15)
-    p = np.array([[0.0, 0.6, 0.4], [0.0, 0.0, 1.0]])
+    rng = [np.random.default_rng(15)] * 2
+    p = [sparse([0.0, 0.6, 0.4]), sparse([0.0, 0.0, 1.0])]
     # q says the draft token was impossible: reject, resample from the residual (p where p > q)
-    assert accept_rejection(p, np.array([[0.0, 0.0, 1.0]]), [1], rng) == (0, 1)
+    assert accept_rejection(p, [sparse([0.0, 0.0, 1.0])], [1], rng) == (0, 1)
     # p == q and that impossible token again: the residual is all zero, so the correction comes from p
-    tokens = [accept_rejection(p, p[:1].copy(), [0], rng) for _ in range(2_000)]
+    tokens = [accept_rejection(p, p[:1], [0], rng) for _ in range(2_000)]
     assert {n for n, _ in tokens} == {0} and {t for _, t in tokens} == {1, 2}
     # p == q: every drafted token is accepted, and the bonus comes from p_K
     assert all(accept_rejection(p, p[:1], [d], rng) == (1, 2) for d in (1, 2))
+
+
+def test_rules_mix_target_and_draft_rows_of_different_widths():
+    """The standard pair: a Qwen2.5 7B target has 152,064 logits, its 0.5B draft 151,936 (case 1)."""
+    from localspec.engine import accept
+    from localspec.drafters import Draft
+
+    rng = np.random.default_rng(16)
+    wide = (3 * rng.standard_normal((3, 152_064))).astype(np.float32)
+    narrow = wide[:2, :151_936] + 0.3 * rng.standard_normal((2, 151_936)).astype(np.float32)
+    params = SamplingParams(temperature=0.8)
+    q = [dist(row, params) for row in narrow]
+    for rule in ("rejection", "greedy", "threshold"):
+        for trial in range(50):
+            d = Draft([q[0].sample(rng), q[1].sample(rng)], q)
+            n, nxt = accept(rule, wide, d, params, [], [np.random.default_rng(trial)] * 3, 0.5)
+            assert 0 <= n <= 2 and 0 <= nxt < 152_064

@@ -2,17 +2,29 @@
 import json
 
 import numpy as np
+import pytest
 
-from localspec.calibrate import Costs, load_or_measure, measure
-from localspec.drafters import AutoDrafter, AutoState, Draft, NgramDrafter
+from localspec.calibrate import Costs, load_or_measure, measure, plan
+from localspec.drafters import AutoDrafter, Draft, NgramDrafter
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
+
+
+def costs(verify, draft, sample_row=0.0):
+    """Costs measured at one depth."""
+    return Costs(SIZES, (256,), (tuple(verify),), (draft,), sample_row)
+
+
 # This machine's kind of CPU (../shared/MODELS.md): verifying 5 tokens costs ~3 single decodes.
-CPU = Costs(SIZES, tuple(np.interp(SIZES, [1, 2, 4, 6, 8, 16, 32], [29, 38, 63, 90, 106, 119, 211]) / 1e3), 0.016)
+CPU = costs(np.interp(SIZES, [1, 2, 4, 6, 8, 16, 32], [29, 38, 63, 90, 106, 119, 211]) / 1e3, 0.016)
 # Verification that costs n decodes for n tokens: speculation can never pay.
-LINEAR = Costs(SIZES, tuple(0.029 * n for n in SIZES), 0.016)
+LINEAR = costs([0.029 * n for n in SIZES], 0.016)
 # A GPU: a 33-token verify costs about one decode, and the draft is cheap.
-GPU = Costs(SIZES, tuple(0.010 + 0.0002 * n for n in SIZES), 0.002)
+GPU = costs([0.010 + 0.0002 * n for n in SIZES], 0.002)
+
+
+def auto(c, model=None, **kw):
+    return AutoDrafter(c, NgramDrafter(n_min=1), model, **kw)
 
 REPEATING = list(range(100, 140)) * 3  # a long stretch of context that repeats itself
 
@@ -25,70 +37,123 @@ class FakeModelDrafter:
         self.calls.append(n)
         return Draft(self.tokens[:n])
 
+    def fits(self, context):
+        return True
+
 
 def test_plain_when_verify_is_expensive_and_acceptance_low():
-    state = AutoState(LINEAR)
-    for s in state.ngram.values():
+    a = auto(LINEAR)
+    for s in a.ngram_stats.values():
         for _ in range(50):
             s.update(1, 0)  # every n-gram guess failed
-    auto = AutoDrafter(state, NgramDrafter(n_min=1), None)
-    assert auto.propose(REPEATING, 16).tokens == []
+    assert a.propose(REPEATING, 16).tokens == []
 
 
 def test_never_speculates_when_only_perfect_acceptance_could_break_even():
-    auto = AutoDrafter(AutoState(LINEAR), NgramDrafter(n_min=1), FakeModelDrafter([1] * 16))
-    assert auto.propose(REPEATING, 16).tokens == []
+    assert auto(LINEAR, FakeModelDrafter([1] * 16)).propose(REPEATING, 16).tokens == []
 
 
 def test_long_ngram_drafts_when_acceptance_is_high():
-    state = AutoState(CPU)
-    for s in state.ngram.values():
+    a = auto(CPU)
+    for s in a.ngram_stats.values():
         for _ in range(100):
             s.update(16, 16)
-    d = AutoDrafter(state, NgramDrafter(n_min=1), None).propose(REPEATING, 16)
+    d = a.propose(REPEATING, 16)
     assert len(d.tokens) >= 12
     assert d.tokens == REPEATING[-80:-80 + len(d.tokens)]  # what followed the previous occurrence
 
 
 def test_learns_from_what_actually_follows_even_when_not_drafting():
     """Shadow scoring: n-gram guesses are checked against the real continuation, drafted or not."""
-    state = AutoState(CPU)
-    auto = AutoDrafter(state, NgramDrafter(n_min=1), None)
+    a = auto(CPU)
     ctx = list(range(100, 140)) + list(range(100, 105))
-    first = auto.propose(ctx, 16)
+    first = a.propose(ctx, 16)
     for t in range(105, 140):  # the text keeps quoting itself, one token per round
         ctx.append(t)
-        auto.propose(ctx, 16)
-    assert max(s.rates(4).min() for s in state.ngram.values()) > 0.9
-    assert len(auto.propose(ctx + list(range(100, 104)), 16).tokens) > len(first.tokens)
+        a.propose(ctx, 16)
+    assert max(s.rates(4).min() for s in a.ngram_stats.values()) > 0.9
+    assert len(a.propose(ctx + list(range(100, 104)), 16).tokens) > len(first.tokens)
 
 
 def test_draft_model_wins_where_verification_is_nearly_free():
     model = FakeModelDrafter(list(range(16)))
-    state = AutoState(GPU)
+    a = auto(GPU, model)
     for _ in range(50):
-        state.model.update(16, 12)
-    d = AutoDrafter(state, NgramDrafter(n_min=1), model).propose([1, 2, 3, 4, 5], 16)
+        a.model_stats.update(16, 12)
+    d = a.propose([1, 2, 3, 4, 5], 16)
     assert model.calls and len(d.tokens) >= 8
 
 
 def test_draft_model_is_probed_now_and_then_and_less_often_when_it_loses():
     model = FakeModelDrafter([7] * 16)
-    state = AutoState(CPU)
+    a = auto(GPU, model)
     for _ in range(50):
-        state.model.update(4, 0)  # the model keeps failing
-    auto = AutoDrafter(state, NgramDrafter(n_min=1), model)
+        a.model_stats.update(4, 0)  # the model keeps failing
     ctx = [1, 2, 3]
     for i in range(200):
-        auto.propose(ctx, 16)
+        a.propose(ctx, 16)
         ctx.append(1000 + i)
     assert 1 <= len(model.calls) <= 4
-    assert state.probe_every > 64
+    assert a.probe_every > 64
 
 
-def test_costs_interpolate():
-    c = Costs((1, 2, 4), (0.01, 0.02, 0.05), None)
-    assert c.verify_cost(3) == 0.035 and c.verify_cost(1) == 0.01
+def test_draft_model_is_never_probed_where_it_could_not_win():
+    """On the second AMD host of MODELS.md a verify of 17 costs ~9 decodes: even a perfect draft model loses."""
+    model = FakeModelDrafter([7] * 16)
+    amd2 = costs(np.interp(SIZES, [1, 2, 5, 9, 17, 33], [34.7, 61.0, 118, 233, 325, 504]) / 1e3, 0.0208)
+    a = auto(amd2, model)
+    ctx = [1, 2, 3]
+    for i in range(300):
+        a.propose(ctx, 16)
+        ctx.append(1000 + i)
+    assert model.calls == []
+
+
+def test_costs_interpolate_in_size_and_depth():
+    c = Costs((1, 2, 4), (256, 1024), ((0.01, 0.02, 0.05), (0.02, 0.03, 0.07)), (0.004, 0.008), 0.0)
+    assert c.verify_cost(3, 256) == 0.035 and c.verify_cost(1, 256) == 0.01
+    assert c.verify_cost(1, 640) == pytest.approx(0.015)  # halfway between the depths
+    assert c.verify_cost(1, 1792) == pytest.approx(0.03)  # beyond: attention keeps growing linearly
+    assert c.verify_cost(1, 0) == 0.01  # below the first depth: as measured there
+    assert c.draft_cost(640) == pytest.approx(0.006)
+    np.testing.assert_allclose(c.verify_cost(np.array([1, 2]), 256), [0.01, 0.02])
+
+
+def test_auto_prices_long_contexts_at_their_depth():
+    """Costs measured at 256 cached tokens but used at 1,500+ made long drafts look cheap."""
+    deep = Costs(SIZES, (256, 1024), (tuple(np.interp(SIZES, [1, 33], [0.03, 0.5])),
+                                      tuple(np.interp(SIZES, [1, 33], [0.04, 1.5]))), None, 0.0)
+    a = auto(deep)
+    for s in a.ngram_stats.values():
+        for _ in range(100):
+            s.update(16, 12)  # good but not perfect guesses
+    shallow = len(a.propose(REPEATING, 16).tokens)
+    long_ctx = list(range(5000, 6800)) + REPEATING
+    assert len(a.propose(long_ctx, 16).tokens) < shallow
+
+
+def test_sampling_cost_per_row_counts_at_temperature_above_zero():
+    """Each row the rule reads costs a sampler pass at T > 0, the same per token with or without a draft:
+    it dilutes what a draft saves, so a marginal draft stops paying."""
+    slow_rows = costs(CPU.verify[0], 0.016, sample_row=0.3)  # absurdly slow, to show the effect
+    drafted = []
+    for sample_rows in (False, True):
+        a = auto(slow_rows, sample_rows=sample_rows)
+        for s in a.ngram_stats.values():
+            for i in range(100):
+                s.update(16, i % 12)
+        drafted.append(len(a.propose(REPEATING, 16).tokens))
+    assert drafted[0] > 0 and drafted[1] == 0
+
+
+def test_calibration_plan_fits_small_contexts():
+    """--n-ctx 256 crashed calibration: no batch size fit once 256 tokens were cached."""
+    assert plan(4096, 512) == ((256, 1024), SIZES)
+    depths, sizes = plan(256, 256)
+    assert depths == (128,) and sizes == SIZES
+    depths, sizes = plan(16, 16)
+    assert depths == (8,) and sizes[0] == 1 and depths[0] + sizes[-1] <= 16
+    assert plan(1000, 512)[0] == (256,)
 
 
 def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, monkeypatch):
@@ -106,24 +171,50 @@ def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, mon
     a = load_or_measure(m, m, tmp_path)
     b = load_or_measure(m, m, tmp_path)
     assert calls == [1] and a == b
-    assert list(a.sizes) == sorted(a.sizes) and all(v > 0 for v in a.verify) and a.draft > 0
+    assert list(a.sizes) == sorted(a.sizes) and all(v > 0 for row in a.verify for v in row) and a.draft[0] > 0
+    assert a.sample_row > 0 and a.depths == (256,)
     assert len(m.tokens) == 0  # calibration leaves the cache empty
     (cached,) = tmp_path.glob("*.json")
     assert json.loads(cached.read_text())["sizes"][0] == 1
+    load_or_measure(m, m, tmp_path, force=True)
+    assert calls == [1, 1]
     m.close()
 
 
-def test_a_new_request_starts_from_a_share_of_the_last_ones_statistics():
-    """An edit's long copy runs must not make the next request (new text) bet on long drafts for long."""
-    state = AutoState(CPU)
-    for s in state.ngram.values():
+def test_calibration_runs_in_a_small_context(smol_path, tmp_path):
+    from localspec.model import Model, ModelConfig
+
+    m = Model(smol_path, ModelConfig(n_ctx=256))
+    c = measure(m, m, reps=1)
+    assert c.depths == (128,) and c.sizes[-1] == 33 and c.draft[0] > 0
+    m.close()
+
+
+def test_calibration_key_follows_threads_and_build(smol_path, monkeypatch):
+    """os.cpu_count() missed CPU affinity and cgroup limits, and a CUDA rebuild kept the CPU's costs."""
+    import localspec.calibrate as cal
+    from localspec.model import Model, ModelConfig
+
+    one, two = Model(smol_path, ModelConfig(n_ctx=256, n_threads=1)), Model(smol_path, ModelConfig(n_ctx=256, n_threads=2))
+    assert cal.cache_key(one, None) != cal.cache_key(two, None)
+    key = cal.cache_key(two, None)
+    monkeypatch.setattr(cal, "system_info", lambda: "CUDA : ARCHS = 900 | AVX512 = 1")
+    assert cal.cache_key(two, None) != key
+    one.close()
+    two.close()
+
+
+def test_each_request_starts_from_the_same_priors():
+    """Decisions depend on the request alone (case 14): a request that copied everything before it must
+    not change how the next one drafts."""
+    first = auto(CPU)
+    for s in first.ngram_stats.values():
         for _ in range(200):
-            s.update(16, 16)  # the last request copied everything
-    state.run = 50
-    assert len(AutoDrafter(state, NgramDrafter(n_min=1), None).propose(REPEATING, 16).tokens) >= 12
-    auto = AutoDrafter(state, NgramDrafter(n_min=1), None)  # the next request
-    assert state.run == 0
-    for s in state.ngram.values():
-        for _ in range(12):
-            s.update(1, 0)  # its guesses fail from the first token
-    assert auto.propose(REPEATING, 16).tokens == []
+            s.update(16, 16)
+    first.run = 50
+    assert len(first.propose(REPEATING, 16).tokens) >= 12
+    fresh, again = auto(CPU), auto(CPU)
+    assert fresh.run == 0
+    ctx = list(REPEATING[:50])
+    assert [len(fresh.propose(ctx[:i], 16).tokens) for i in range(5, 50)] == \
+        [len(again.propose(ctx[:i], 16).tokens) for i in range(5, 50)]

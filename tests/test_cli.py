@@ -32,6 +32,27 @@ def test_generate_json_from_stdin(smol_path):
     assert out["stats"]["drafter"] == "ngram" and out["stats"]["lossless"] is True
 
 
+def test_stdin_prompt_loses_only_its_final_newline(smol_path):
+    """A prompt piped in ends with the newline of its last line: that newline is not part of the prompt."""
+    r = localspec("generate", "--target", smol_path, "--json", "--temperature", "0", "--max-tokens", "1",
+                  "--drafter", "none", stdin="line one\nline two\n")
+    arg = localspec("generate", "line one\nline two", "--target", smol_path, "--json", "--temperature", "0",
+                    "--max-tokens", "1", "--drafter", "none")
+    assert r.returncode == arg.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["prompt_tokens"] == json.loads(arg.stdout)["stats"]["prompt_tokens"]
+
+
+def test_drafter_auto_is_a_choice_and_help_names_the_default():
+    r = localspec("generate", "--help")
+    assert "[auto|model|ngram|hybrid|none]" in r.stdout and "auto (the default" in " ".join(r.stdout.split())
+
+
+def test_calibrate_shows_the_measured_curve(smol_path):
+    r = localspec("calibrate", "--target", smol_path, "--draft", smol_path, "--n-ctx", "512")
+    assert r.returncode == 0, r.stderr
+    assert "batch" in r.stdout and "@256" in r.stdout and "draft:" in r.stdout and "llama.cpp:" in r.stdout
+
+
 def test_threshold_is_reported_lossy(smol_path):
     r = localspec("generate", "hello", "--target", smol_path, "--draft", smol_path, "--accept", "threshold",
                   "--threshold", "0.3", "--max-tokens", "8", "--json")
@@ -62,6 +83,7 @@ BAD = {
     "model drafter without draft": (["--target", "{smol}", "--drafter", "model", "hi"], "needs a draft model"),
     "unknown llama.cpp setting": (["--target", "{smol}", "--target-kwarg", "n_gpu_layerz=1", "hi"],
                                   "unknown llama.cpp setting 'n_gpu_layerz'"),
+    "--system without --chat": (["--target", "{smol}", "--system", "be brief", "hi"], "--system needs --chat"),
 }
 
 

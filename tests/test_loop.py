@@ -28,7 +28,7 @@ class Scripted:
 
 
 def run(target, drafter, prompt, **kw):
-    kw = dict(max_tokens=20, k=4, rule="greedy", params=GREEDY, rng=np.random.default_rng(0)) | kw
+    kw = dict(max_tokens=20, k=4, rule="greedy", params=GREEDY, seed=0) | kw
     return list(speculate(target, None, drafter, prompt, **kw))
 
 
@@ -63,6 +63,21 @@ def test_eos_ends_with_stop_and_is_not_emitted():
     facts = run(counting(eog=5), Scripted([[1, 2, 3, 4, 5, 6]]), [0], k=6)
     assert tokens_of(facts) == [1, 2, 3, 4]
     assert facts[-1] == Finish("stop")
+    # the target accepted 1..6, but only what was emitted counts: stats never show more accepted than generated
+    (rnd,) = [f for f in facts if type(f) is Round]
+    assert (rnd.drafted, rnd.accepted) == (6, 4)
+
+
+def test_cancel_ends_the_stream_between_rounds_and_leaves_the_cache_consistent():
+    target, calls = counting(), []
+
+    def cancel():
+        calls.append(1)
+        return len(calls) > 3
+
+    facts = run(target, Scripted([[1, 2]] * 10), [0], cancel=cancel)
+    assert facts[-1] == Finish("cancelled")
+    assert target.tokens == [0] + tokens_of(facts)[:-1]
 
 
 def test_context_full_ends_with_length_not_a_crash():
@@ -83,7 +98,7 @@ def test_k_never_exceeds_tokens_left():
 def test_consumer_stopping_early_leaves_cache_consistent():
     target = counting()
     gen = speculate(target, None, Scripted([[1, 2, 3]] * 5), [0], max_tokens=20, k=3, rule="greedy",
-                    params=GREEDY, rng=np.random.default_rng(0))
+                    params=GREEDY, seed=0)
     seen = [f for _, f in zip(range(4), gen)]
     gen.close()
     assert type(seen[-1]) is Token
@@ -99,7 +114,7 @@ def test_ngram_drafter_proposes_continuation_of_latest_match():
 def test_stream_stop_string_and_stats():
     target = counting()
     facts = speculate(target, None, Scripted([[1, 2, 3, 4]] * 5), [0], max_tokens=20, k=4, rule="greedy",
-                      params=GREEDY, rng=np.random.default_rng(0))
+                      params=GREEDY, seed=0)
     s = Stream(facts, target.piece, stop=["<4><5"], drafter="scripted", rule="greedy", k=4, prompt_tokens=1)
     text = "".join(e.text for e in s)
     assert text == "<1><2><3>"

@@ -7,10 +7,21 @@ import pytest
 from scipy.stats import chisquare
 
 from localspec.errors import LocalspecError
-from localspec.sampling import SamplingError, SamplingParams, choose, penalize, probs, sample
+from localspec.sampling import Dist, SamplingError, SamplingParams, choose, dist, penalize, position_rng, residual
 
 # Every filter off, temperature 1: probs() is a plain softmax unless a test turns something on.
 PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
+
+def probs(logits, sp, history=()):
+    """dist() as a dense row, for comparing with hand-computed rows."""
+    return dist(np.asarray(logits), sp, history).dense(len(logits))
+
+
+def sparse(p):
+    p = np.asarray(p, dtype=np.float64)
+    ids = np.flatnonzero(p)
+    return Dist(ids, p[ids] / p[ids].sum())
 
 
 def softmax(x):
@@ -154,9 +165,10 @@ def test_choose_greedy_is_argmax_and_copies_nothing():
 def test_large_vocab_defaults():
     rng = np.random.default_rng(1)
     logits = (3 * rng.standard_normal(151_936)).astype(np.float32)
-    p = probs(logits, SamplingParams())
-    assert p.dtype == np.float64 and p.shape == logits.shape
-    assert 1 <= np.count_nonzero(p) <= 40 and p.sum() == pytest.approx(1.0)
+    d = dist(logits, SamplingParams())
+    assert 1 <= len(d.ids) <= 40 and d.p.sum() == pytest.approx(1.0)  # sparse: only the kept tokens
+    assert list(d.ids) == sorted(d.ids) and (d.p > 0).all()
+    p = d.dense(len(logits))
     assert np.argmax(p) == np.argmax(logits)
     # top_k off: top_p alone, over the whole vocab
     p = probs(logits, SamplingParams(top_k=0, min_p=0.0))
@@ -187,7 +199,7 @@ def test_validation_names_the_parameter_value_and_range(field, value):
 def test_sample_matches_p_and_never_draws_zero_mass():
     p = np.array([0.1, 0.0, 0.4, 0.25, 0.0, 0.25])
     rng = np.random.default_rng(2)
-    counts = np.bincount([sample(p, rng) for _ in range(20_000)], minlength=len(p))
+    counts = np.bincount([sparse(p).sample(rng) for _ in range(20_000)], minlength=len(p))
     assert counts[p == 0].sum() == 0
     assert chisquare(counts[p > 0], 20_000 * p[p > 0]).pvalue > 1e-3
 
@@ -200,9 +212,42 @@ class _EdgeRng:
 
 
 def test_sample_is_robust_to_rounding():
-    p = np.array([0.3, 0.7, 0.0, 0.0]) * (1 + 1e-12)
-    assert sample(p, _EdgeRng()) == 1
-    assert sample(np.array([0.0, 1 / 3, 1 / 3, 1 / 3, 0.0]), _EdgeRng()) == 3
+    assert Dist(np.array([0, 1]), np.array([0.3, 0.7]) * (1 + 1e-12)).sample(_EdgeRng()) == 1
+    assert sparse([0.0, 1 / 3, 1 / 3, 1 / 3, 0.0]).sample(_EdgeRng()) == 3
+
+
+def test_dist_lookups_and_residual_over_the_union_of_supports():
+    p, q = Dist(np.array([2, 5, 9]), np.array([0.5, 0.3, 0.2])), Dist(np.array([1, 5]), np.array([0.4, 0.6]))
+    assert p.prob(5) == 0.3 and p.prob(4) == 0.0 and p.prob(100) == 0.0 and p.prob(0) == 0.0
+    np.testing.assert_array_equal(p.on(np.array([1, 2, 9, 10])), [0, 0.5, 0.2, 0])
+    r = residual(p, q)  # max(0, p - q): 2 -> 0.5, 9 -> 0.2, normalized; 1 and 5 are where q >= p
+    assert list(r.ids) == [2, 9] and r.p == pytest.approx([5 / 7, 2 / 7])
+    assert residual(p, p) is None
+
+
+def test_target_and_draft_rows_of_different_widths_mix():
+    """Qwen2.5 7B+ targets have 152,064 logits, their 0.5B drafts 151,936: ids, not widths, meet."""
+    rng = np.random.default_rng(4)
+    wide, narrow = rng.standard_normal(152_064).astype(np.float32), rng.standard_normal(151_936).astype(np.float32)
+    p, q = dist(wide, SamplingParams()), dist(narrow, SamplingParams())
+    r = residual(p, q)
+    assert r is not None and set(r.ids) <= set(p.ids)
+
+
+def test_position_rng_depends_on_seed_and_position_only():
+    a = [position_rng(42, j).random() for j in range(5)]
+    assert a == [position_rng(42, j).random() for j in range(5)]
+    assert len(set(a)) == 5 and position_rng(43, 0).random() != a[0] and position_rng(42, 0, 1).random() != a[0]
+
+
+def test_sparse_sampling_never_builds_a_dense_row():
+    """Per row at T > 0: a few passes over the float32 logits, no dense float64 row over the vocabulary."""
+    logits = (3 * np.random.default_rng(5).standard_normal(151_936)).astype(np.float32)
+    tracemalloc.start()
+    dist(logits, SamplingParams())
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 400_000  # a dense float64 row alone is 1.2 MB
 
 
 def reference_probs(logits, sp):

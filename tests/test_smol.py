@@ -35,11 +35,10 @@ def test_speculative_greedy_equals_plain(smol_engine, drafter, accept):
 def test_kv_cache_matches_token_list_after_every_round(smol_engine):
     t, d = smol_engine.target, smol_engine.draft
     params = SamplingParams(temperature=0.7)
-    rng = np.random.default_rng(3)
     prompt = smol_engine.chat_tokens(MESSAGES)
-    drafter = ModelDrafter(d, params, rng, p_min=0.2, prompt_len=len(prompt))
+    drafter = ModelDrafter(d, params, seed=3, p_min=0.2, prompt_len=len(prompt))
     checked = 0
-    for fact in speculate(t, d, drafter, prompt, max_tokens=60, k=4, rule="rejection", params=params, rng=rng):
+    for fact in speculate(t, d, drafter, prompt, max_tokens=60, k=4, rule="rejection", params=params, seed=3):
         if type(fact) is Round:
             assert t.pos_max() == len(t.tokens) - 1
             assert d.pos_max() == len(d.tokens) - 1

@@ -1,0 +1,44 @@
+"""Edit a GGUF file with llama.cpp's own gguf-py: copy every key and tensor, changing what is asked.
+
+Used to make a target whose vocabulary is wider than its draft's, as the standard Qwen2.5 7B/14B/32B targets
+(152,064 logits) are beside their 0.5B/1.5B drafts (151,936).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+
+def pad_vocab(src: Path, dst: Path, extra: int) -> Path:
+    """A copy of src with `extra` unused tokens appended, and zero rows for them in the embedding (and output)
+    matrices: the model computes what it did, and the new ids get logit 0."""
+    r = GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = GGUFWriter(dst, arch)
+    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value, vtype = f.contents(), f.types[0]
+        sub = f.types[1] if vtype == GGUFValueType.ARRAY else None
+        if name == "tokenizer.ggml.tokens":
+            value = value + [f"<pad{i}>" for i in range(extra)]
+        elif name == "tokenizer.ggml.token_type":
+            value = value + [5] * extra  # UNUSED
+        elif name == "tokenizer.ggml.scores":
+            value = value + [0.0] * extra
+        elif name == f"{arch}.vocab_size":
+            value = n_vocab + extra
+        w.add_key_value(name, value, vtype, sub)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if t.name in ("token_embd.weight", "output.weight"):
+            data = np.concatenate([data, np.zeros((extra, data.shape[1]), dtype=data.dtype)])
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)  # quantized rows travel as their bytes
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
