@@ -193,7 +193,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
 
         peer = load_peer(llm, max(len(t) for t in prompt_tokens) + max_tokens + max(PEERS.values()) + 1)
     if "auto" in methods:
-        llm.auto_state()  # calibrate (once per machine and models) before anything is timed
+        llm.calibration()  # calibrate (once per machine and models) before anything is timed
     rows = []
     for p, tokens in zip(prompts, prompt_tokens):
         _ours(llm, tokens, "none", 8)  # warm-up
@@ -258,7 +258,8 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
                    "output is compared with plain's (no ≠ is shown).")
     else:
         out.append(f"Sampled at temperature {temperature}, seed {seed}: ≠ = output differs from plain's with the "
-                   "same seed (a lossless rule keeps the distribution, not necessarily the sample); peers sample "
+                   "same seed. n-gram drafts are point masses, so with a seed they give plain's very sample; the draft "
+                   "model samples its own proposals, so its text differs (the distribution does not). Peers sample "
                    "with llama.cpp's own sampler and are not compared.")
     return "\n".join(out)
 

@@ -275,7 +275,7 @@ def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
     make_request(**defaults)  # fail before loading models
     with load_engine(load_kw) as llm:
         if defaults.get("drafter", llm.defaults.get("drafter", "auto")) == "auto":
-            llm.auto_state()  # measure costs now (once per machine) rather than inside the first request
+            llm.calibration()  # measure costs now (once per machine) rather than inside the first request
         server.serve(llm, host=host, port=port, api_key=api_key, cors=cors, queue_size=queue_size,
                      allow_hosts=allow_hosts, defaults=defaults)
 

@@ -26,6 +26,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import get_type_hints
 
+from .defaults import DRAFTERS
 from .errors import LocalspecError
 
 # Installed wheels carry models.toml inside the package; a source checkout has it at the repository root.
@@ -133,8 +134,6 @@ def _relative_file(v: str) -> bool:
     return bool(v) and "\\" not in v and ":" not in parts[0] and all(p not in ("", ".", "..") for p in parts)
 
 
-# Drafter names the engine knows (the engine imports them from here).
-DRAFTERS = ("auto", "model", "ngram", "hybrid", "none")
 _RULES = {
     ModelSpec: [("file", _relative_file, "must be a relative path inside the repository (no '..', '.', empty "
                  "parts, leading '/', drive or backslash)"),
