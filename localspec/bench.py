@@ -258,9 +258,10 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
                    "output is compared with plain's (no ≠ is shown).")
     else:
         out.append(f"Sampled at temperature {temperature}, seed {seed}: ≠ = output differs from plain's with the "
-                   "same seed. n-gram drafts are point masses, so with a seed they give plain's very sample; the draft "
-                   "model samples its own proposals, so its text differs (the distribution does not). Peers sample "
-                   "with llama.cpp's own sampler and are not compared.")
+                   "same seed. n-gram drafts are point masses: in exact mode (--exact) they give plain's very sample; in "
+                   "the default mode batched logits differ slightly from single-token ones, so samples can part at "
+                   "a near-boundary draw. The draft model samples its own proposals, so its text differs (the "
+                   "distribution does not). Peers sample with llama.cpp's own sampler and are not compared.")
     return "\n".join(out)
 
 
