@@ -29,7 +29,8 @@ HELP = """\
 /reset             forget the conversation (the system prompt stays)
 /system [TEXT]     show the system prompt, or replace it
 /set [KEY VALUE]   show the settings, or change one: {keys}
-                   (k is the most draft tokens per round; under the auto drafter, its upper bound)
+                   (k is the most draft tokens per round; under the auto drafter, its upper bound;
+                   json_schema FILE makes every reply valid JSON for that schema, off frees them)
 /draft on|off      colour the tokens that came from the draft
 /save FILE         write the conversation as JSON (OpenAI messages)
 /load FILE         read a conversation written by /save
@@ -44,6 +45,18 @@ def _seed(value: str) -> int | None:
     return None if value.lower() == "none" else int(value)
 
 
+def _schema(value: str) -> str | None:
+    """/set json_schema FILE (or a schema typed inline) | off."""
+    if value.lower() in ("off", "none", ""):
+        return None
+    if value.lstrip().startswith("{"):
+        return value
+    try:
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read {value}: {e.strerror or e}") from None
+
+
 # /set KEY VALUE: how each value is read (the engine then validates it, as for the command-line flags)
 SETTINGS: dict[str, tuple[Callable[[str], object], str]] = {
     "max_tokens": (int, "an integer"), "k": (int, "an integer"), "temperature": (float, "a number"),
@@ -52,7 +65,14 @@ SETTINGS: dict[str, tuple[Callable[[str], object], str]] = {
     "presence_penalty": (float, "a number"), "penalty_last_n": (int, "an integer"),
     "seed": (_seed, "an integer or none"), "drafter": (str, "a drafter name"), "accept": (str, "a rule name"),
     "p_min": (float, "a number"), "threshold": (float, "a number"),
+    "json_schema": (_schema, "a JSON Schema file (or the schema itself) or off"),
 }
+
+
+def _show(key: str, value) -> str:
+    if key == "json_schema":
+        return "off" if value is None else f"on ({len(value)} characters)"
+    return "default" if value is None else str(value)
 
 
 # ---- conversation state ----
@@ -375,7 +395,7 @@ class Chat:
         if not key:
             r = self.request()
             shown = {k: getattr(r.sampling, k) if hasattr(r.sampling, k) else getattr(r, k) for k in SETTINGS}
-            self.screen.note(", ".join(f"{k}={'default' if v is None else v}" for k, v in shown.items()), "")
+            self.screen.note(", ".join(f"{k}={_show(k, v)}" for k, v in shown.items()), "")
             return
         if key not in SETTINGS:
             self.screen.hint(f"unknown setting {key!r}: one of {', '.join(SETTINGS)}")
@@ -383,8 +403,9 @@ class Chat:
         read, kind = SETTINGS[key]
         try:
             v = read(value)
-        except ValueError:
-            self.screen.hint(f"{key} takes {kind}, got {value!r}: /set {key} VALUE")
+        except ValueError as e:
+            why = f" ({e})" if str(e).startswith("cannot read") else ""
+            self.screen.hint(f"{key} takes {kind}, got {value!r}{why}: /set {key} VALUE")
             return
         if key == "drafter" and v in ("model", "hybrid") and self.llm.draft is None:
             self.screen.hint(f"drafter {v!r} needs a draft model: restart chat with --draft PATH")
@@ -396,7 +417,7 @@ class Chat:
             self.screen.hint(f"{e}; {key} unchanged")
             return
         self.options = options
-        self.screen.note(f"{key} = {'default' if v is None else v}")
+        self.screen.note(f"{key} = {_show(key, v)}")
 
     def draft(self, arg: str) -> None:
         if arg not in ("on", "off"):

@@ -89,6 +89,35 @@ def generation_options(f):
     return f
 
 
+def constraint_options(f):
+    """Constrained output: at most one of these (see README, Structured output)."""
+    opts = [
+        click.option("--json-schema", "json_schema", metavar="FILE|JSON",
+                     help="Output valid JSON for this JSON Schema (a file, or the schema itself). Compact JSON "
+                          "unless the schema says \"x-guidance\": {\"whitespace_flexible\": true}."),
+        click.option("--json-object", "json_object", is_flag=True, default=None, help="Output any JSON object."),
+        click.option("--grammar", "grammar", metavar="FILE", type=click.Path(exists=True, dir_okay=False),
+                     help="Output text of this grammar: Lark (llguidance) or llama.cpp GBNF."),
+        click.option("--regex", "regex", metavar="REGEX", help="Output text matching this regular expression."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def read_constraint(kw: dict) -> None:
+    """--json-schema FILE|JSON and --grammar FILE -> their text, in place."""
+    schema = kw.get("json_schema")
+    if schema is not None and not schema.lstrip().startswith("{"):
+        try:
+            kw["json_schema"] = Path(schema).read_text(encoding="utf-8")
+        except OSError as e:
+            raise click.BadParameter(f"{schema!r} is neither a JSON object nor a readable file ({e.strerror})",
+                                     param_hint="--json-schema") from None
+    if kw.get("grammar") is not None:
+        kw["grammar"] = Path(kw["grammar"]).read_text(encoding="utf-8")
+
+
 _LOAD_KEYS = ("pair", "target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v",
               "n_ctx_draft", "n_threads_draft", "n_gpu_layers_draft", "flash_attn_draft", "type_k_draft",
               "type_v_draft", "target_kwargs", "draft_kwargs", "exact", "memory_check", "allow_mirror", "verbose")
@@ -122,6 +151,7 @@ def split_options(kw: dict) -> tuple[dict, dict]:
     for key in ("target_kwargs", "draft_kwargs"):
         load_kw[key] = parse_kwargs(load_kw.get(key))
     kw["stop"] = list(kw.get("stop") or ())
+    read_constraint(kw)
     return load_kw, kw
 
 
@@ -139,6 +169,7 @@ def load_engine(load_kw: dict):
 @click.argument("prompt", required=False)
 @model_options
 @generation_options
+@constraint_options
 @click.option("--chat", is_flag=True, help="PROMPT is a user message, rendered with the model's chat template.")
 @click.option("--system", help="System message for --chat.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, from_draft, finish_reason, stats).")
@@ -180,6 +211,7 @@ def generate(prompt, chat, system, as_json, **kw):
 @cli.command()
 @model_options
 @generation_options
+@constraint_options
 @click.option("--system", help="System prompt.")
 @click.option("--show-draft", is_flag=True, help="Colour the tokens that came from the draft (also /draft on|off).")
 def chat(system, show_draft, **kw):

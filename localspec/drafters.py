@@ -15,10 +15,12 @@ class Draft:
     """Proposed tokens and, for a stochastic drafter, the distributions q they were sampled from.
 
     q is None for a deterministic draft: a point mass on each token (n-gram lookup, or a greedy draft model).
+    forced: how many leading tokens are what a grammar forces (counted apart in the stats).
     """
 
     tokens: list[int]
     q: list[Dist] | None = None
+    forced: int = 0
 
 
 EMPTY = Draft([])
@@ -78,8 +80,9 @@ class ModelDrafter:
     """
 
     def __init__(self, model: Model, params: SamplingParams, *, seed: int, p_min: float = 0.0,
-                 prompt_len: int = 0, target_vocab: int | None = None):
+                 prompt_len: int = 0, target_vocab: int | None = None, grammar=None):
         self.model, self.params, self.seed, self.p_min, self.prompt_len = model, params, seed, p_min, prompt_len
+        self.grammar = grammar  # masks each row it drafts from, as the target's rows are masked: q stays exact
         self.width = min(model.n_vocab, target_vocab or model.n_vocab)
         self.checked, self.foreign = 0, False  # context tokens checked so far; whether one is not in its vocab
 
@@ -99,24 +102,69 @@ class ModelDrafter:
         row = m.sync(context, logits=True)[1][0][:self.width]
         history = list(context[self.prompt_len:]) if self.params.penalized else []  # only penalties read it
         tokens, qs = [], []
-        for i in range(n):
-            if self.params.greedy:
-                z = penalize(row, history, self.params)
-                tok = int(np.argmax(z))
-                # top probability without a softmax of the whole row: 1 / sum(exp(l - l_max))
-                if self.p_min > 0 and 1.0 / np.exp(z - z[tok]).sum() < self.p_min:
+        try:
+            for i in range(n):
+                tok, q = self._one(row, history, len(context) - self.prompt_len + i)
+                if tok is None:
                     break
-            else:
-                q = dist(row, self.params, history)
-                if q.p.max() < self.p_min:
+                tokens.append(tok)
+                history.append(tok)
+                if q is not None:
+                    qs.append(q)
+                if m.is_eog(tok):  # nothing follows the end
                     break
-                tok = q.sample(position_rng(self.seed, len(context) - self.prompt_len + i, 1))
-                qs.append(q)
-            tokens.append(tok)
-            history.append(tok)
-            if i + 1 < n:  # the last draft token is never decoded here: the target verifies it
-                row = m.decode([tok], logits="last")[0][:self.width]
+                if self.grammar is not None:
+                    self.grammar.consume([tok])
+                if i + 1 < n:  # the last draft token is never decoded here: the target verifies it
+                    row = m.decode([tok], logits="last")[0][:self.width]
+        finally:
+            if self.grammar is not None:
+                self.grammar.rollback(len(tokens) - (bool(tokens) and m.is_eog(tokens[-1])))
         return Draft(tokens, qs if qs else None)
+
+    def _one(self, row: np.ndarray, history: list[int], position: int) -> tuple[int | None, Dist | None]:
+        """The next draft token from one row (and its q at T > 0), or None when the draft is too unsure."""
+        if self.grammar is not None:
+            row = self.grammar.mask(row)
+        if self.params.greedy:
+            z = penalize(row, history, self.params)
+            tok = int(np.argmax(z))
+            # top probability without a softmax of the whole row: 1 / sum(exp(l - l_max))
+            if self.p_min > 0 and 1.0 / np.exp(z - z[tok]).sum() < self.p_min:
+                return None, None
+            return tok, None
+        q = dist(row, self.params, history)
+        if q.p.max() < self.p_min:
+            return None, None
+        return q.sample(position_rng(self.seed, position, 1)), q
+
+
+def constrained(grammar, forced: list[int], rest: Draft) -> Draft:
+    """forced + rest, cut to what the grammar allows from its current state (forced drafts are point masses)
+    and after an end-of-generation token (nothing follows it)."""
+    tokens = forced + rest.tokens
+    end = grammar.first_end(tokens)
+    ok = min(grammar.validate(tokens[:end + 1]), end + 1)
+    q = None if rest.q is None else ([Dist.point(t) for t in forced] + rest.q)[:ok]
+    return Draft(tokens[:ok], q, forced=min(len(forced), ok))
+
+
+class GrammarDrafter:
+    """Under a grammar: what it forces (keys, quotes, punctuation), then what `inner` proposes after that, cut
+    to what the grammar allows. Forced tokens are verified like any draft: the model may spell the same bytes
+    with other tokens, so nothing is skipped unverified."""
+
+    def __init__(self, grammar, inner: Drafter):
+        self.grammar, self.inner = grammar, inner
+
+    def propose(self, context: Sequence[int], n: int) -> Draft:
+        forced = self.grammar.forced()[:n]
+        self.grammar.consume(forced)
+        try:
+            rest = self.inner.propose([*context, *forced], n - len(forced)) if n > len(forced) else EMPTY
+        finally:
+            self.grammar.rollback(len(forced))
+        return constrained(self.grammar, forced, rest)
 
 
 class HybridDrafter:
@@ -156,16 +204,19 @@ def _bucket(size: int) -> int:
     return size if size <= 3 else 4 if size <= 5 else 6
 
 
-def _best(rates: np.ndarray, cost, extra_per_token: float = 0.0, per_emitted: float = 0.0) -> tuple[int, float]:
-    """(K, expected tokens per second) of the best draft length given per-position acceptance rates.
+def _best(rates: np.ndarray, cost, extra_per_token: float = 0.0, per_emitted: float = 0.0,
+          start: int = 0) -> tuple[int, float]:
+    """(K, expected tokens per second) of the best draft length K >= max(start, 1) given per-position
+    acceptance rates.
 
-    cost(n) is the seconds of a verify of n tokens; extra_per_token the cost of drafting one; per_emitted the
-    cost of each row the acceptance rule reads (one per emitted token: rows past a rejection are never read).
+    cost(n) is the seconds of a verify of n tokens; extra_per_token the cost of drafting one of the tokens past
+    `start` (the first `start` are given: forced by a grammar); per_emitted the cost of each row the acceptance
+    rule reads (one per emitted token: rows past a rejection are never read).
     """
     expected = 1.0 + np.cumsum(np.cumprod(rates))  # tokens a round yields with K = 1..len(rates) drafts
     ks = np.arange(1, len(rates) + 1)
-    speed = expected / (cost(ks + 1) + extra_per_token * ks + per_emitted * expected)
-    i = int(np.argmax(speed))
+    speed = expected / (cost(ks + 1) + extra_per_token * np.maximum(ks - start, 0) + per_emitted * expected)
+    i = max(start, 1) - 1 + int(np.argmax(speed[max(start, 1) - 1:]))
     return i + 1, float(speed[i])
 
 
@@ -180,6 +231,10 @@ class AutoDrafter:
     at once when the text becomes predictable. The draft model is re-probed now and then, less often each
     time it loses.
 
+    Under a grammar, the tokens it forces open every draft, priced with their own learned acceptance (nearly
+    always accepted, yet a model may spell the same bytes otherwise), and a continuation is added where
+    that is expected to pay more.
+
     One AutoDrafter serves one request and starts from the same priors every time: its decisions depend on
     the request alone, so the same request drafts the same way (and, at temperature 0, gives the same
     text) however many requests came before it.
@@ -191,8 +246,8 @@ class AutoDrafter:
     MARGIN = 1.05
 
     def __init__(self, costs, ngram: NgramDrafter, model: ModelDrafter | None, *, k_max: int = 33,
-                 sample_rows: bool = False):
-        self.costs, self.ngram, self.model = costs, ngram, model
+                 sample_rows: bool = False, grammar=None):
+        self.costs, self.ngram, self.model, self.grammar = costs, ngram, model, grammar
         # Seconds to turn each verified row into a sampling distribution: nothing at temperature 0.
         self.row_cost = costs.sample_row if sample_rows else 0.0
         # n-gram guesses are judged by the size of the match behind them (longer predicts better) and by the
@@ -203,8 +258,10 @@ class AutoDrafter:
                             for run, prior in ((0, p0), (1, 0.6), (2, 0.85))}
         self.run = 0
         self.model_stats = AcceptanceStats(k_max, 0.7)
+        self.forced_stats = AcceptanceStats(k_max, 0.95)
         self.probe_every, self.since_model = 64, 0
         self.pending: list[tuple[int, list[int], AcceptanceStats]] = []  # (position, tokens, whose stats)
+        self._ngram_set = set(self.ngram_stats.values())
 
     def _cost(self, depth: int):
         return lambda n: self.costs.verify_cost(n, depth)
@@ -224,7 +281,7 @@ class AutoDrafter:
         for pos, tokens, stats in self.pending:
             known = context[pos:pos + len(tokens)]
             m = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), len(known))
-            if stats is not self.model_stats and pos + len(known) == len(context):
+            if stats in self._ngram_set and pos + len(known) == len(context):
                 run = m == len(known) and m > 0, len(known)  # the latest guess, against the newest tokens
             if m < len(known) or len(known) == len(tokens):
                 stats.update(min(m + 1, len(tokens)), m)
@@ -244,19 +301,31 @@ class AutoDrafter:
             return EMPTY
         depth = len(context)
         cost = self._cost(depth)
+        forced = self.grammar.forced()[:n] if self.grammar is not None else []
+        f = len(forced)
+        rates = self.forced_stats.rates(f)
         best = ("none", 0, self.MARGIN * self._plain(depth))
-        size, cont = self.ngram.lookup(context, n)
-        if cont:
-            stats = self.ngram_stats[_bucket(size), self._run_level]
-            self.pending.append((len(context), cont, stats))
-            k, speed = _best(stats.rates(len(cont)), cost, 0.0, self.row_cost)
+        if f:
+            self.pending.append((len(context), forced, self.forced_stats))
+            k, speed = _best(rates, cost, 0.0, self.row_cost, start=f)
             if speed > best[2]:
-                best = ("ngram", k, speed)
-        else:
-            self.run = 0
-        if (self.model is not None and self.costs.draft is not None and self.model.fits(context)
+                best = ("forced", f, speed)
+        ctx = [*context, *forced] if f else context
+        cont = []
+        if n > f:
+            size, cont = self.ngram.lookup(ctx, n - f)
+            if cont:
+                stats = self.ngram_stats[_bucket(size), self._run_level]
+                self.pending.append((len(ctx), cont, stats))
+                k, speed = _best(np.concatenate([rates, stats.rates(len(cont))]), cost, 0.0, self.row_cost, start=f)
+                if speed > best[2]:
+                    best = ("ngram", k, speed)
+            else:
+                self.run = 0
+        if (n > f and self.model is not None and self.costs.draft is not None and self.model.fits(ctx)
                 and self._model_can_win(depth, n)):
-            k, speed = _best(self.model_stats.rates(n), cost, self.costs.draft_cost(depth), self.row_cost)
+            k, speed = _best(np.concatenate([rates, self.model_stats.rates(n - f)]), cost,
+                             self.costs.draft_cost(depth), self.row_cost, start=f)
             self.since_model += 1
             probe = self.since_model >= self.probe_every
             if speed > best[2] or probe:
@@ -264,12 +333,20 @@ class AutoDrafter:
                     self.probe_every = min(2 * self.probe_every, 4096)
                 best = ("model", k, speed)
         name, k, _ = best
+        if name == "none":
+            return EMPTY
+        rest = EMPTY
         if name == "ngram":
-            return Draft(cont[:k])
-        if name == "model":
+            rest = Draft(cont[:k - f])
+        elif name == "model":
             self.since_model = 0
-            d = self.model.propose(context, k)
-            if d.tokens:
-                self.pending.append((len(context), d.tokens, self.model_stats))
-            return d
-        return EMPTY
+            if self.grammar is not None:
+                self.grammar.consume(forced)
+            try:
+                rest = self.model.propose(ctx, k - f)
+            finally:
+                if self.grammar is not None:
+                    self.grammar.rollback(f)
+            if rest.tokens:
+                self.pending.append((len(ctx), rest.tokens, self.model_stats))
+        return constrained(self.grammar, forced, rest) if self.grammar is not None else rest

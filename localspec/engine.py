@@ -20,8 +20,10 @@ import numpy as np
 
 from . import acceptance, defaults
 from .acceptance import Lazy
-from .drafters import EMPTY, AutoDrafter, Draft, Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter
+from .drafters import (EMPTY, AutoDrafter, Draft, Drafter, GrammarDrafter, HybridDrafter, ModelDrafter, NgramDrafter,
+                       NoDrafter)
 from .errors import LocalspecError
+from .grammar import Grammar, Unconstrained, compile_spec
 from .model import Cancelled, Model
 from .sampling import SamplingParams, dist, penalize, position_rng
 from .text import TextStream
@@ -47,6 +49,8 @@ class Round:
     accepted: int  # draft tokens emitted (an end-of-generation token inside the draft ends the count)
     draft_s: float
     verify_s: float
+    forced: int = 0  # leading draft tokens a grammar forced, and how many of them were accepted
+    accepted_forced: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +114,8 @@ def rewind(target: Model, n: int) -> None:
 
 def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt: Sequence[int], *, max_tokens: int,
               k: int, rule: str, params: SamplingParams, seed: int, tau: float = 0.0, prefill_draft: bool = True,
-              lock=contextlib.nullcontext(), cancel: Callable[[], bool] | None = None) -> Iterator:
+              lock=contextlib.nullcontext(), cancel: Callable[[], bool] | None = None,
+              grammar=Unconstrained()) -> Iterator:
     """The decoding loop. Yields Prefill, then per round a Round and its Tokens, then one Finish.
 
     draft_model is the drafter's model, if any: prefilled with the prompt (unless prefill_draft is False,
@@ -119,6 +124,8 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
     same tokens whatever was drafted. `lock` is held while the models are used (never across a yield), and
     a round that finds the target changed by someone else since (another stream on the same engine) first
     puts the target's cache back to its own context. `cancel` is checked between prefill chunks and rounds.
+    `grammar` masks each verified row by its state at that position and follows what is emitted; the round
+    after which it is complete is the last.
 
     Invariant at the top of each round: target.tokens == context[:-1]; context[-1] is `pending`, the
     newest token, not yet evaluated by the target.
@@ -149,17 +156,19 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
                 t1 = time.perf_counter()
                 rows = verify(target, context[-1], draft)
                 t2 = time.perf_counter()
-                n_acc, nxt = accept(rule, rows, draft, params, history, rngs, tau)
+                n_acc, nxt = accept(rule, grammar.rows(rows, draft.tokens), draft, params, history, rngs, tau)
                 rewind(target, len(context) + n_acc)
                 seen = target.version
-            out = [*draft.tokens[:n_acc], nxt]
-            end = next((i for i, t in enumerate(out) if target.is_eog(t)), None)  # never emitted
-            yield Round(len(draft.tokens), n_acc if end is None else min(n_acc, end), t1 - t0, t2 - t1)
+                out = [*draft.tokens[:n_acc], nxt]
+                end = next((i for i, t in enumerate(out) if target.is_eog(t)), None)  # never emitted
+                complete = grammar.advance(out[:end], draft.tokens)
+            n_acc = n_acc if end is None else min(n_acc, end)
+            yield Round(len(draft.tokens), n_acc, t1 - t0, t2 - t1, draft.forced, min(n_acc, draft.forced))
             for i, tok in enumerate(out[:end]):
                 context.append(tok)
                 produced += 1
                 yield Token(tok, i < n_acc)
-            if end is not None:
+            if end is not None or complete:
                 yield Finish("stop")
                 return
     except Cancelled:
@@ -205,6 +214,8 @@ class Stats:
     accepted_at: tuple[int, ...]  # accepted_at[i]: rounds whose draft token i was accepted
     draft_s: float
     verify_s: float
+    drafted_forced: int  # draft tokens a grammar forced (part of drafted), and how many were accepted
+    accepted_forced: int
     seed: int  # the request's seed (drawn at random when none was given): pass it again to reproduce a run
     notes: tuple[str, ...] = ()  # what the request asked for but did not get, and why
 
@@ -256,6 +267,7 @@ class Stream:
 
     def __iter__(self) -> Iterator[Event]:
         pre, rounds, drafting, drafted, acc, at, t_d, t_v, n = None, 0, 0, 0, 0, [], 0.0, 0.0, 0
+        forced = [0, 0]
         reason, held = "stop", None
         t_gen = time.perf_counter()
         try:
@@ -282,6 +294,8 @@ class Stream:
                         drafting += 1
                         drafted += f.drafted
                         acc += f.accepted
+                        forced[0] += f.forced
+                        forced[1] += f.accepted_forced
                         at.extend([0] * (f.drafted - len(at)))
                         for i in range(f.accepted):
                             at[i] += 1
@@ -302,6 +316,7 @@ class Stream:
                                draft_prompt_prefilled=pre.draft_prefilled if pre else 0, prompt_s=pre.seconds if pre else 0.0,
                                generated=n, gen_s=time.perf_counter() - t_gen, rounds=rounds, drafted=drafted,
                                accepted=acc, accepted_at=tuple(at), draft_s=t_d, verify_s=t_v,
+                               drafted_forced=forced[0], accepted_forced=forced[1],
                                drafting_rounds=drafting, **self._meta)
 
 
@@ -332,6 +347,12 @@ class Request:
     p_min: float = defaults.P_MIN
     threshold: float = defaults.THRESHOLD
     stop: tuple[str, ...] = ()
+    # constrained output, at most one (grammar.compile_spec): a JSON Schema (dict or JSON text), a Lark or
+    # llama.cpp GBNF grammar, a regex, or any JSON object
+    json_schema: dict | str | None = None
+    grammar: str | None = None
+    regex: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "seed", "k"):
@@ -354,6 +375,14 @@ class Request:
                 raise RequestError(f"{name} must be in [0, 1], got {v!r}")
         if not all(isinstance(x, str) for x in self.stop):
             raise RequestError("stop must be a string or a list of strings")
+        if not isinstance(self.json_object, bool):
+            raise RequestError(f"json_object must be true or false, got {self.json_object!r}")
+        self.constraint()  # an invalid schema, grammar or regex is an error now, naming it
+
+    def constraint(self) -> str | None:
+        """The compiled llguidance grammar of this request, or None when its output is free."""
+        return compile_spec(json_schema=self.json_schema, grammar=self.grammar, regex=self.regex,
+                            json_object=self.json_object)
 
 
 _SAMPLING_KEYS = set(defaults.SAMPLING)
@@ -453,8 +482,16 @@ class Engine:
                 self._costs = load_or_measure(self.target, self.draft, home() / "calibration", force=force)
         return self._costs
 
-    def _drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str]) -> tuple[str, Drafter, bool]:
+    def _drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str],
+                 grammar) -> tuple[str, Drafter, bool]:
         """(name, drafter, whether to prefill the draft model with the prompt)."""
+        name, drafter, prefill_draft = self._free_drafter(req, seed, tokens, notes, grammar)
+        if grammar is not None and name not in ("none", "auto"):  # auto drafts the forced tokens itself
+            drafter = GrammarDrafter(grammar, drafter)
+        return name, drafter, prefill_draft
+
+    def _free_drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str],
+                      grammar) -> tuple[str, Drafter, bool]:
         name = req.drafter or defaults.DRAFTER
         if name in ("model", "hybrid") and self.draft is None:
             raise RequestError(f"drafter {name!r} needs a draft model: load one (draft=PATH, --draft) "
@@ -464,7 +501,7 @@ class Engine:
         if name == "ngram":
             return name, NgramDrafter(), False
         model = (ModelDrafter(self.draft, req.sampling, seed=seed, p_min=req.p_min, prompt_len=len(tokens),
-                              target_vocab=self.target.n_vocab) if self.draft is not None else None)
+                              target_vocab=self.target.n_vocab, grammar=grammar) if self.draft is not None else None)
         fits = model is not None and model.fits(tokens)
         if model is not None and not fits:
             why = (f"the prompt ({len(tokens)} tokens) does not fit the draft model's context "
@@ -477,7 +514,7 @@ class Engine:
         if name == "auto":
             # auto may never call the draft model (on a CPU it rarely pays): it catches up lazily if it does.
             return name, AutoDrafter(self.calibration(), NgramDrafter(n_min=1, n_max=8), model if fits else None,
-                                     sample_rows=not req.sampling.greedy), False
+                                     sample_rows=not req.sampling.greedy, grammar=grammar), False
         if name == "model":
             return name, model, True
         return name, HybridDrafter(NgramDrafter(), model), fits
@@ -489,7 +526,8 @@ class Engine:
         prompt: text (special tokens such as <|im_start|> are recognised) or token ids.
         options: max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
         presence_penalty, penalty_last_n, seed, drafter ('auto', 'model', 'ngram', 'hybrid', 'none'), accept
-        ('rejection', 'greedy', 'threshold'), k, p_min, threshold, stop.
+        ('rejection', 'greedy', 'threshold'), k, p_min, threshold, stop; and at most one constraint on the
+        output: json_schema (a dict or JSON text), grammar (Lark or llama.cpp GBNF), regex, json_object=True.
         cancel: a callable checked between prefill chunks and rounds; when it returns True the stream ends
         with finish_reason 'cancelled'.
         """
@@ -497,7 +535,9 @@ class Engine:
         tokens = self._prompt_tokens(prompt)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         notes: list[str] = []
-        name, drafter, prefill_draft = self._drafter(req, seed, tokens, notes)
+        spec = req.constraint()
+        grammar = Grammar(self.target, spec) if spec is not None else None
+        name, drafter, prefill_draft = self._drafter(req, seed, tokens, notes, grammar)
         k = req.k or (defaults.K_AUTO if name == "auto" else defaults.K_FIXED)
         if k > self.target.n_batch - 1:  # [pending, d1..dk] must fit one decode
             notes.append(f"k={k} is more than one decode holds: clamped to {self.target.n_batch - 1} "
@@ -506,7 +546,7 @@ class Engine:
         draft_model = self.draft if name in ("model", "hybrid", "auto") else None
         facts = speculate(self.target, draft_model, drafter, tokens, max_tokens=req.max_tokens, k=k, rule=req.accept,
                           params=req.sampling, seed=seed, tau=req.threshold, prefill_draft=prefill_draft,
-                          lock=self._lock, cancel=cancel)
+                          lock=self._lock, cancel=cancel, grammar=grammar or Unconstrained())
         return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
                       prompt_tokens=len(tokens), seed=seed, notes=notes)
 

@@ -264,3 +264,21 @@ def test_after_a_trim_the_next_turns_reuse_the_cached_conversation(smol_path):
         assert reused[j] >= prompt[j - 1] - 1 > n_ctx // 4, (reused, prompt)
     assert kept < 0.6 * n_ctx  # trimmed with slack, to about half of n_ctx
     assert chat.conv.messages[0] == system
+
+
+def test_set_json_schema_constrains_the_next_replies_and_off_frees_them(smol_path, tmp_path):
+    schema = tmp_path / "answer.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}},
+                                  "required": ["answer"], "additionalProperties": False}))
+    lines = [f"/set json_schema {schema}", "What is 2+2?", "/set", "/set json_schema off", "What is 3+3?",
+             "/set json_schema /nonexistent.json"]
+    r = subprocess.run([sys.executable, *chat_args(smol_path, max_tokens=32)], input="\n".join(lines) + "\n",
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, TERM="xterm"))
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.splitlines()[:2]
+    assert set(json.loads(first)) == {"answer"}
+    free, _ = fresh(smol_path, [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": first},
+                                {"role": "user", "content": "What is 3+3?"}], max_tokens=32)
+    assert second == free.split("\n")[0]  # the reply a free engine gives
+    assert "json_schema = on (" in r.stderr and "json_schema=on (" in r.stderr and "json_schema = off" in r.stderr
+    assert "cannot read /nonexistent.json" in r.stderr

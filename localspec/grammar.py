@@ -1,0 +1,208 @@
+"""Constrained output: JSON Schema, grammars (Lark or llama.cpp GBNF) and regexes, through llguidance.
+
+A `Grammar` is an llguidance matcher beside the context: its state is that of the tokens emitted so far. Each
+round it masks the target's logit rows (row i with the state after draft[:i], tokens it forbids get -inf,
+so every sampling rule works on the constrained distribution unchanged) and then advances by what was
+emitted. Drafters ask it what it forces and cut their drafts to what it allows (drafters.GrammarDrafter), so
+a forbidden token never reaches the target. `Unconstrained` is the same interface doing nothing.
+"""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+from .acceptance import Lazy
+from .errors import LocalspecError
+
+# Compact JSON (no optional whitespace), as OpenAI's structured outputs return it: the grammar then forces the
+# keys, quotes and punctuation, which become drafts. A schema opts out with "x-guidance": {"whitespace_flexible":
+# true} (llguidance applies these defaults, then the schema's own x-guidance).
+JSON_DEFAULTS = {"whitespace_flexible": False}
+MAX_SPEC_CHARS = 1 << 20  # a schema, grammar or regex longer than 1 MiB is refused before compiling it
+
+
+class GrammarError(LocalspecError):
+    """A schema, grammar or regex is invalid or too large (llguidance's own message says where)."""
+
+
+def _limits():
+    from llguidance import LLParserLimits
+
+    # llguidance's limits bound compile time and memory; these are its defaults made explicit, and the grammar
+    # size halved: a schema that compiles past them is refused with its message, never left to eat memory.
+    return LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                          step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=250_000)
+
+
+def compile_spec(*, json_schema=None, grammar: str | None = None, regex: str | None = None,
+                 json_object: bool = False) -> str | None:
+    """The llguidance grammar of a request's constraint, or None without one. GrammarError names the field."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    given = [name for name, v in (("json_schema", json_schema), ("grammar", grammar), ("regex", regex),
+                                  ("json_object", json_object or None)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise GrammarError(f"give one constraint, not {' and '.join(given)}")
+    field = given[0]
+    try:
+        if field == "json_schema":
+            if isinstance(json_schema, str):
+                _size(field, json_schema)
+                try:
+                    json_schema = json.loads(json_schema)
+                except ValueError as e:
+                    raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(json_schema, dict):
+                raise GrammarError("json_schema must be a JSON object (a schema)")
+            _size(field, json.dumps(json_schema))
+            g = LLMatcher.grammar_from_json_schema(json_schema, defaults=JSON_DEFAULTS)
+        elif field == "json_object":
+            g = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+        elif field == "grammar":
+            if not isinstance(grammar, str) or not grammar.strip():
+                raise GrammarError("grammar must be non-empty Lark or GBNF text")
+            _size(field, grammar)
+            g = LLMatcher.grammar_from_lark(any_to_lark(grammar))
+        else:
+            if not isinstance(regex, str) or not regex:
+                raise GrammarError("regex must be a non-empty string")
+            _size(field, regex)
+            g = LLMatcher.grammar_from_regex(regex)
+    except GrammarError:
+        raise
+    except Exception as e:  # llguidance's converters raise ValueError and friends on malformed input
+        raise GrammarError(f"{field} is invalid: {_one_line(e)}") from None
+    error = LLMatcher.validate_grammar(g, limits=_limits())
+    if error:
+        raise GrammarError(f"{field} is invalid: {_one_line(error)}")
+    return g
+
+
+def _size(field: str, text: str) -> None:
+    if len(text) > MAX_SPEC_CHARS:
+        raise GrammarError(f"{field} is {len(text):,} characters; at most {MAX_SPEC_CHARS:,} are accepted")
+
+
+def _one_line(e) -> str:
+    return " ".join(str(e).split())[:500]
+
+
+def tokenizer(model):
+    """llguidance's tokenizer for a model's llama.cpp vocabulary, built once per model (about a second)."""
+    tok = getattr(model, "_llg_tokenizer", None)
+    if tok is None:
+        import warnings
+
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        eog = [i for i in range(model.n_vocab) if model.is_eog(i)]  # every token that ends generation
+        with warnings.catch_warnings():  # it reads token attributes through a name llama-cpp-python deprecates
+            warnings.simplefilter("ignore", DeprecationWarning)
+            tok = lltokenizer_from_vocab(model.vocab, n_vocab=model.n_vocab, eos_token=eog or None)
+        model._llg_tokenizer = tok
+    return tok
+
+
+class Unconstrained:
+    """No constraint: rows pass through, nothing to advance."""
+
+    def rows(self, rows, draft: Sequence[int]):
+        return rows
+
+    def advance(self, emitted: Sequence[int], draft: Sequence[int]) -> bool:
+        return False
+
+
+class Grammar:
+    """An llguidance matcher whose state follows the emitted tokens; row masks for each verified position."""
+
+    def __init__(self, model, grammar: str):
+        from llguidance import LLMatcher
+
+        self.n_vocab = model.n_vocab
+        tok = tokenizer(model)
+        self.eog = frozenset(tok.eos_tokens)
+        self.matcher = LLMatcher(tok, grammar, log_level=0, limits=_limits())
+        self._check()
+        self._ahead = 0  # draft tokens consumed beyond the emitted ones (while rows are being masked)
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar failed: {_one_line(self.matcher.get_error())}")
+
+    # -- for drafters --
+    def forced(self) -> list[int]:
+        """Tokens the grammar allows as the only continuation from here (keys, quotes, punctuation)."""
+        forced = list(self.matcher.compute_ff_tokens())
+        return forced[:self.first_end(forced)]
+
+    def first_end(self, tokens: Sequence[int]) -> int:
+        """Where the first end-of-generation token is (len when none): the matcher never consumes the end."""
+        return next((j for j, t in enumerate(tokens) if t in self.eog), len(tokens))
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens the grammar allows from here."""
+        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        if tokens and not self.matcher.consume_tokens(list(tokens)):
+            self._check()
+            raise GrammarError("the grammar refused a token it had allowed")  # pragma: no cover - a bug
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+
+    def allowed(self) -> np.ndarray:
+        """A boolean row: which tokens the grammar allows next."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little", count=self.n_vocab).view(bool)
+        if not allowed.any():
+            self._check()
+            raise GrammarError("the grammar allows no token here")
+        return allowed
+
+    def mask(self, row: np.ndarray) -> np.ndarray:
+        """A copy of a logit row with the tokens the grammar forbids at -inf (ids past its vocabulary too)."""
+        allowed = self.allowed()
+        out = np.full(row.shape, -np.inf, dtype=row.dtype)
+        n = min(len(row), len(allowed))
+        np.copyto(out[:n], row[:n], where=allowed[:n])
+        return out
+
+    # -- for the loop --
+    def _at(self, i: int, draft: Sequence[int]) -> bool:
+        """Put the matcher in the state after draft[:i] (from the emitted tokens); True when that is past an
+        end-of-generation token, where nothing follows."""
+        k = min(i, self.first_end(draft))
+        if k < self._ahead:
+            self.rollback(self._ahead - k)
+        else:
+            self.consume(draft[self._ahead:k])
+        self._ahead = k
+        return k < i
+
+    def _row(self, row: np.ndarray, i: int, draft: Sequence[int]) -> np.ndarray:
+        if self._at(i, draft):  # after the end: a well-defined row that is never emitted from
+            out = np.full(row.shape, -np.inf, dtype=row.dtype)
+            out[list(self.eog)] = 0.0
+            return out
+        return self.mask(row)
+
+    def rows(self, rows, draft: Sequence[int]):
+        """The verified rows, row i masked by the state after draft[:i]; computed when first read."""
+        return Lazy(len(draft) + 1, lambda i: self._row(rows[i], i, draft))
+
+    def advance(self, emitted: Sequence[int], draft: Sequence[int]) -> bool:
+        """Move to the state after `emitted` (the accepted draft and the next token, without an end token);
+        True once the grammar is complete and nothing but the end can follow."""
+        n = next((i for i, (a, b) in enumerate(zip(emitted, draft)) if a != b), min(len(emitted), len(draft)))
+        self._at(min(n, self._ahead), draft)
+        self.consume(list(emitted[self._ahead:]))
+        self._ahead = 0
+        return self.matcher.is_stopped()

@@ -1,0 +1,158 @@
+"""Constrained output (llguidance) under speculation: lossless, drafts what it forces, bad specs refused.
+
+Tier 1 on synthetic distributions, tier 2 on SmolLM2-135M (its own draft, exact mode).
+"""
+import json
+
+import numpy as np
+import pytest
+
+from localspec import RequestError
+from localspec.acceptance import accept_rejection
+from localspec.grammar import Grammar, GrammarError, compile_spec
+from localspec.sampling import SamplingParams, dist
+
+from test_acceptance import assert_distributed_as, emitted, run
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Give the person as JSON (name, age, city): Maria Lopez, 34, lives in Lisbon."}]
+DRAFTERS = ["model", "ngram", "hybrid", "auto"]
+
+
+# ---- tier 1 ----
+def test_rejection_on_a_masked_distribution_emits_the_masked_target():
+    """Masking p and q the same way keeps rejection sampling exact for the constrained distribution."""
+    rng = np.random.default_rng(20)
+    V = 8
+    allowed = np.array([1, 0, 1, 1, 0, 1, 1, 0], dtype=bool)
+    logits = 2 * rng.standard_normal((3, V))
+    masked = np.where(allowed, logits, -np.inf)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    p = [dist(row, params) for row in masked]
+    q = [dist(np.where(allowed, row + 0.8 * rng.standard_normal(V), -np.inf), params) for row in logits[:2]]
+    target = np.array([row.dense(V) for row in p])
+
+    def step():
+        draft = [q[0].sample(rng), q[1].sample(rng)]
+        return emitted(*accept_rejection(p, q, draft, [rng] * 3), draft)
+
+    positions = run(step)
+    for j in range(3):
+        assert all(allowed[t] for t in positions[j])
+        assert_distributed_as(positions[j], target[j])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("json_schema", "{not json", "json_schema is not valid JSON"),
+    ("json_schema", {"type": "strin"}, "json_schema is invalid: .*strin"),
+    ("json_schema", [1, 2], "must be a JSON object"),
+    ("regex", "[a-", "regex is invalid: .*unclosed character class"),
+    ("grammar", "start: foo", "grammar is invalid: .*unknown name"),
+    ("grammar", "root ::= \"yes\" (", "grammar is invalid"),
+    ("json_schema", {"type": "string", "pattern": "a" * (1 << 20)}, "json_schema is .* characters; at most"),
+])
+def test_bad_specs_are_refused_with_llguidances_message(field, value, message):
+    with pytest.raises(GrammarError, match=message):
+        compile_spec(**{field: value})
+
+
+def test_one_constraint_at_most():
+    with pytest.raises(GrammarError, match="not json_schema and regex"):
+        compile_spec(json_schema=PERSON, regex="a+")
+    assert compile_spec() is None
+    assert compile_spec(grammar='root ::= "yes" | "no"')  # llama.cpp GBNF is converted
+
+
+def test_a_schema_past_the_parser_limits_is_refused_not_compiled_forever():
+    props = {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}}
+    huge = {"type": "object", "properties": {f"p{i}": props for i in range(8000)}}  # under 1 MiB of text
+    with pytest.raises(GrammarError, match="json_schema is invalid: schema too large"):
+        compile_spec(json_schema=huge)
+
+
+# ---- tier 2 ----
+def free_and_constrained(llm, drafter, **spec):
+    prompt = llm.chat_tokens(ASK)
+    return llm.generate(prompt, max_tokens=48, temperature=0, drafter=drafter, k=6, p_min=0, **spec)
+
+
+def test_json_schema_output_is_valid_and_ends_when_complete(smol_engine):
+    r = free_and_constrained(smol_engine, "none", json_schema=PERSON)
+    obj = json.loads(r.text)
+    assert set(obj) == {"name", "age", "city"} and isinstance(obj["age"], int)
+    assert r.finish_reason == "stop" and r.text.startswith('{"name":')  # compact JSON by default
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_constrained_speculation_equals_constrained_plain(smol_engine, drafter):
+    plain = free_and_constrained(smol_engine, "none", json_schema=PERSON)
+    spec = free_and_constrained(smol_engine, drafter, json_schema=PERSON)
+    assert spec.tokens == plain.tokens
+    if drafter != "model":
+        assert spec.stats.drafted_forced > 0 and spec.stats.accepted_forced > 0
+
+
+def test_forbidden_drafts_never_reach_the_target(smol_engine, monkeypatch):
+    """validate_tokens cuts a draft first: every draft verified is a valid continuation of what was emitted."""
+    import localspec.engine as engine
+
+    seen = []
+    real = engine.verify
+
+    def spy(target, pending, draft):
+        seen.append(list(draft.tokens))
+        return real(target, pending, draft)
+
+    monkeypatch.setattr(engine, "verify", spy)
+    prompt = smol_engine.chat_tokens(ASK)
+    r = smol_engine.generate(prompt, max_tokens=48, temperature=0.9, seed=3, drafter="hybrid", k=8, p_min=0,
+                             json_schema=PERSON)
+    assert r.stats.drafted > 0
+    check = Grammar(smol_engine.target, compile_spec(json_schema=PERSON))
+    done = 0
+    for draft in seen:
+        assert check.validate(draft) == len(draft)
+        n = next((i for i, (a, b) in enumerate(zip(draft, r.tokens[done:])) if a != b), len(draft))
+        check.consume(r.tokens[done:done + n + 1])
+        done += n + 1
+    json.loads(r.text)
+
+
+def test_sampled_constrained_output_is_always_valid(smol_engine):
+    prompt = smol_engine.chat_tokens(ASK)
+    for seed in range(4):
+        r = smol_engine.generate(prompt, max_tokens=64, temperature=1.0, seed=seed, drafter="auto", json_schema=PERSON)
+        if r.finish_reason == "stop":
+            assert set(json.loads(r.text)) == {"name", "age", "city"}
+
+
+def test_regex_gbnf_lark_and_json_object(smol_engine):
+    prompt = smol_engine.chat_tokens([{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    assert smol_engine.generate(prompt, max_tokens=8, temperature=0, regex="(yes|no)").text in ("yes", "no")
+    assert smol_engine.generate(prompt, max_tokens=8, temperature=0,
+                                grammar='root ::= "Yes" | "No"').text in ("Yes", "No")
+    assert smol_engine.generate(prompt, max_tokens=8, temperature=0,
+                                grammar='start: "YES" | "NO"').text in ("YES", "NO")
+    r = smol_engine.generate(prompt, max_tokens=64, temperature=0, json_object=True)
+    assert r.finish_reason == "length" or isinstance(json.loads(r.text), dict)
+
+
+def test_whitespace_opt_out_through_x_guidance(smol_engine):
+    flexible = PERSON | {"x-guidance": {"whitespace_flexible": True}}
+    compact = free_and_constrained(smol_engine, "none", json_schema=PERSON)
+    loose = free_and_constrained(smol_engine, "none", json_schema=flexible)
+    assert json.loads(compact.text) and json.loads(loose.text)
+    assert compact.stats.generated <= loose.stats.generated
+
+
+def test_a_grammar_that_cannot_finish_ends_with_length(smol_engine):
+    r = smol_engine.generate("Count:", max_tokens=12, temperature=0, regex="[0-9 ]{200}")
+    assert r.finish_reason == "length" and r.stats.generated == 12 and set(r.text) <= set("0123456789 ")
+
+
+def test_bad_spec_through_the_api_is_a_request_error(smol_engine):
+    with pytest.raises(GrammarError, match="regex is invalid"):
+        smol_engine.generate("hi", max_tokens=4, regex="(")
+    assert issubclass(GrammarError, type(RequestError("x")).__mro__[1])  # a LocalspecError: the CLI's exit 2
