@@ -6,6 +6,7 @@ the bos/eos token strings and raise_exception), so a template behaves as it does
 from __future__ import annotations
 
 import datetime
+import json
 import uuid
 from typing import Mapping, Sequence
 
@@ -23,9 +24,15 @@ def _raise(message: str):
     raise ChatError(f"chat template: {message}")
 
 
+def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False) -> str:
+    # as transformers' chat templates have it: plain JSON, no HTML escaping (jinja2's own escapes < > & ')
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+
+
 def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str = "", eos_token: str = "",
-           add_generation_prompt: bool = True) -> str:
-    """The prompt text for a conversation (OpenAI-style messages: role and content)."""
+           add_generation_prompt: bool = True, tools: Sequence[Mapping] | None = None) -> str:
+    """The prompt text for a conversation (OpenAI-style messages: role and content; tool calls and results
+    too, where the template renders them), and the tools offered to the model (OpenAI `tools`)."""
     if template is None:
         raise ChatError("this model has no chat template in its GGUF metadata; pass a pre-rendered prompt instead")
     if not messages:
@@ -34,17 +41,19 @@ def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str 
         if not isinstance(m, Mapping) or "role" not in m or not isinstance(m.get("content", ""), (str, type(None))):
             raise ChatError(f"message {i} must be an object with 'role' and string 'content', got {m!r}")
     env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = _tojson
     try:
         return env.from_string(template).render(
             messages=[dict(m) for m in messages], bos_token=bos_token, eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt, raise_exception=_raise,
+            add_generation_prompt=add_generation_prompt, raise_exception=_raise, tools=tools or None,
             strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     except jinja2.TemplateError as e:
         raise ChatError(f"chat template failed to render: {e}") from None
 
 
 def segments(template: str | None, messages: Sequence[Mapping], special, *, bos_token: str = "",
-             eos_token: str = "", add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+             eos_token: str = "", add_generation_prompt: bool = True,
+             tools: Sequence[Mapping] | None = None) -> list[tuple[str, bool]]:
     """The rendered prompt as (text, is_markup) pieces: message text that spells a control token (as
     `special(text)` says) comes out as its own piece with is_markup False, to be tokenized as plain text.
 
@@ -53,7 +62,7 @@ def segments(template: str | None, messages: Sequence[Mapping], special, *, bos_
     """
     risky = {i for i, m in enumerate(messages) if isinstance(m, Mapping) and isinstance(m.get("content"), str)
              and m["content"] and special(m["content"])}
-    kw = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=add_generation_prompt)
+    kw = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=add_generation_prompt, tools=tools)
     if not risky:
         return [(render(template, messages, **kw), True)]
     mark = f"\ue000{uuid.uuid4().hex}"  # a private-use character and a nonce: no message can contain it

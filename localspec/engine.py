@@ -426,18 +426,24 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.target.detokenize(tokens)
 
+    def single_token(self, text: str) -> int | None:
+        """The id of the one token that spells `text` (a special tag such as <tool_call>), or None."""
+        ids = self.tokenize(text, add_special=False)
+        return ids[0] if len(ids) == 1 else None
+
     def _template_kwargs(self) -> dict:
         t = self.target
         return dict(bos_token=t.token_text(t.bos).decode(errors="replace") if t.bos >= 0 else "",
                     eos_token=t.token_text(t.eos).decode(errors="replace") if t.eos >= 0 else "")
 
-    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> str:
         from .chat import render
 
         return render(self.target.chat_template(), messages, add_generation_prompt=add_generation_prompt,
-                      **self._template_kwargs())
+                      tools=tools, **self._template_kwargs())
 
-    def chat_tokens(self, messages: Sequence[dict]) -> list[int]:
+    def chat_tokens(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None) -> list[int]:
         """The prompt tokens of a conversation, rendered with the target's chat template.
 
         Message text is tokenized as plain text: a message that contains '<|im_start|>' gets the characters,
@@ -451,7 +457,8 @@ class Engine:
                                                                            parse_special=False)
 
         out = []
-        for text, markup in segments(self.target.chat_template(), messages, special, **self._template_kwargs()):
+        for text, markup in segments(self.target.chat_template(), messages, special, tools=tools,
+                                     **self._template_kwargs()):
             out += self.tokenize(text, add_special=False, parse_special=markup)
         return out
 
@@ -557,12 +564,24 @@ class Engine:
         return Result("".join(e.text for e in events), [e.token for e in events], [e.from_draft for e in events],
                       s.finish_reason, s.stats)
 
-    def create_chat_completion(self, messages: Sequence[dict], *, stream: bool = False, **options):
-        """OpenAI-shaped chat completion dicts, as llama-cpp-python's Llama.create_chat_completion returns."""
-        from .openai_shapes import chat_chunks, chat_completion
+    def create_chat_completion(self, messages: Sequence[dict], *, stream: bool = False, tools=None, tool_choice=None,
+                               parallel_tool_calls: bool | None = None, response_format: dict | None = None,
+                               **options):
+        """OpenAI-shaped chat completion dicts, as llama-cpp-python's Llama.create_chat_completion returns.
 
-        s = self.stream(self.chat_tokens(messages), **options)
-        return chat_chunks(self.name, s) if stream else chat_completion(self.name, s)
+        response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}.
+        tools / tool_choice / parallel_tool_calls: OpenAI's; calls come back in message.tool_calls with
+        finish_reason "tool_calls" (see README, Tool calls).
+        """
+        from .openai_request import structured
+        from .openai_shapes import chat_chunks, chat_completion
+        from .tools import for_template
+
+        extra, _, tools, fmt = structured(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                                          response_format=response_format, template=self.target.chat_template(),
+                                          token_of=self.single_token)
+        s = self.stream(self.chat_tokens(for_template(messages), tools=tools), **(options | extra))
+        return chat_chunks(self.name, s, fmt, tools) if stream else chat_completion(self.name, s, fmt, tools)
 
     def close(self) -> None:
         for m in (self.target, self.draft):

@@ -23,15 +23,31 @@ def error(message: str, *, type: str = "invalid_request_error", param: str | Non
 
 
 class Chat:
-    """The chat.completion object, or its chat.completion.chunk stream, of one response."""
+    """The chat.completion object, or its chat.completion.chunk stream, of one response.
 
-    def __init__(self, model: str):
+    With a tool-call format, the text is parsed as it comes: content until the model opens a call, then each
+    complete call as a `tool_calls` entry (streamed as one delta per call, with its whole arguments), and
+    finish_reason "tool_calls" when the reply made any.
+    """
+
+    def __init__(self, model: str, tool_format=None, tools=None):
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+        self.parser = tool_format.parser(tools) if tool_format is not None else None
+
+    def _finish(self, stats) -> str:
+        return "tool_calls" if self.parser is not None and self.parser.calls else stats.finish_reason
 
     def response(self, text: str, stats) -> dict:
+        content, calls = text, []
+        if self.parser is not None:
+            parts = self.parser.feed(text) + [self.parser.finish()]
+            content = "".join(p for p in parts if isinstance(p, str)).strip() if self.parser.calls else text
+            calls = [c.to_openai() for c in self.parser.calls]
+        message = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": stats.finish_reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": self._finish(stats)}],
                 "usage": usage(stats), "localspec": stats.to_dict()}
 
     def _chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
@@ -41,11 +57,23 @@ class Chat:
     def first_chunks(self) -> list[dict]:
         return [self._chunk({"role": "assistant"})]
 
-    def chunk(self, text: str) -> dict:
-        return self._chunk({"content": text})
+    def _deltas(self, parts) -> list[dict]:
+        out = []
+        for p in parts:
+            if isinstance(p, str):
+                if p:
+                    out.append(self._chunk({"content": p}))
+            else:
+                index = self.parser.calls.index(p)
+                out.append(self._chunk({"tool_calls": [{"index": index, **p.to_openai()}]}))
+        return out
 
-    def final_chunk(self, stats) -> dict:
-        return self._chunk({}, stats.finish_reason, usage=usage(stats), localspec=stats.to_dict())
+    def chunks(self, text: str) -> list[dict]:
+        return self._deltas(self.parser.feed(text) if self.parser is not None else [text])
+
+    def final_chunks(self, stats) -> list[dict]:
+        rest = self._deltas([self.parser.finish()]) if self.parser is not None else []
+        return rest + [self._chunk({}, self._finish(stats), usage=usage(stats), localspec=stats.to_dict())]
 
 
 class Completion:
@@ -64,22 +92,22 @@ class Completion:
     def first_chunks(self) -> list[dict]:
         return []
 
-    def chunk(self, text: str) -> dict:
-        return self._obj(text, None)
+    def chunks(self, text: str) -> list[dict]:
+        return [self._obj(text, None)]
 
-    def final_chunk(self, stats) -> dict:
-        return self._obj("", stats.finish_reason, usage=usage(stats), localspec=stats.to_dict())
+    def final_chunks(self, stats) -> list[dict]:
+        return [self._obj("", stats.finish_reason, usage=usage(stats), localspec=stats.to_dict())]
 
 
-def chat_completion(model: str, stream) -> dict:
+def chat_completion(model: str, stream, tool_format=None, tools=None) -> dict:
     text = "".join(e.text for e in stream)
-    return Chat(model).response(text, stream.stats)
+    return Chat(model, tool_format, tools).response(text, stream.stats)
 
 
-def chat_chunks(model: str, stream) -> Iterator[dict]:
-    shape = Chat(model)
+def chat_chunks(model: str, stream, tool_format=None, tools=None) -> Iterator[dict]:
+    shape = Chat(model, tool_format, tools)
     yield from shape.first_chunks()
     for e in stream:
         if e.text:
-            yield shape.chunk(e.text)
-    yield shape.final_chunk(stream.stats)
+            yield from shape.chunks(e.text)
+    yield from shape.final_chunks(stream.stats)

@@ -17,7 +17,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import re
 import threading
 import time
@@ -34,195 +33,28 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .engine import Engine, make_request
+from .engine import Engine
 from .errors import LocalspecError
+from .openai_request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_text, parse_chat,
+                             parse_completion)
 from .openai_shapes import Chat, Completion, error
+from .tools import for_template
 
 log = logging.getLogger("uvicorn.error")
 RETRY_AFTER_S = 1
 
 
-class ApiError(Exception):
-    """A request the server answers with an OpenAI error object instead of a completion."""
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code, self.type, self.headers = status, param, code, type, headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error(str(self), type=self.type, param=self.param, code=self.code),
-                            status_code=self.status, headers=self.headers)
-
-
-# ---- request parsing: OpenAI fields -> engine options ----
-# request field -> (engine option, type); the last three are llama.cpp server extensions
-_OPTIONS = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_tokens", int),
-            "temperature": ("temperature", float), "top_p": ("top_p", float), "seed": ("seed", int),
-            "frequency_penalty": ("frequency_penalty", float), "presence_penalty": ("presence_penalty", float),
-            "stop": ("stop", "stop"), "top_k": ("top_k", int), "min_p": ("min_p", float),
-            "repeat_penalty": ("repeat_penalty", float)}
-# under the request's "localspec" key
-_SPECULATION = {"drafter": str, "k": int, "accept": str, "p_min": float, "threshold": float}
-# sent by OpenAI clients and changing nothing here
-_IGNORED = {"model", "stream", "stream_options", "user", "store", "metadata", "service_tier", "localspec"}
-# honoured only at their no-op value (null always is one): anything else would be silently wrong here
-_NOOP = {"n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
-         "suffix": ("",), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none", "auto"),
-         "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none", "auto"),
-         "response_format": ({"type": "text"},), "modalities": (["text"],), "prediction": (), "audio": (),
-         "reasoning_effort": (), "web_search_options": ()}
-_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-              "functions", "function_call", "response_format", "modalities", "prediction", "audio",
-              "reasoning_effort", "web_search_options"}
-_COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
-_KNOWN = _OPTIONS.keys() | _IGNORED | _NOOP.keys() | _CHAT_ONLY | _COMPLETION_ONLY
-_KINDS = {int: "an integer in the 64-bit range", float: "a finite number", str: "a string",
-          "stop": "a string or an array of strings"}
-MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's limits; each stop string is searched for after every token
-
-
-def _typed(param: str, value, kind):
-    try:
-        ok = {int: lambda v: type(v) is int and -2**63 <= v < 2**63,
-              float: lambda v: type(v) in (int, float) and math.isfinite(float(v)),
-              str: lambda v: isinstance(v, str),
-              "stop": lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-              }[kind](value)
-    except OverflowError:  # float(10**400)
-        ok = False
-    if not ok:
-        raise ApiError(f"{param} must be {_KINDS[kind]}, got {json.dumps(value)[:60]}", param=param)
-    return float(value) if kind is float else value  # numpy cannot take a 400-digit int as a float
-
-
-def parse_options(body: dict, *, chat: bool, defaults: dict) -> tuple[dict, dict]:
-    """(engine options over `defaults`, engine option -> request field) from a request body, or ApiError
-    naming the field."""
-    other = _COMPLETION_ONLY if chat else _CHAT_ONLY
-    for field in body:
-        if field in other or field not in _KNOWN:
-            raise ApiError(f"unknown field {field!r} for {'/v1/chat/completions' if chat else '/v1/completions'}",
-                           param=field)
-    for field, allowed in _NOOP.items():
-        value = body.get(field)
-        if value is not None and not any(type(value) is type(a) and value == a for a in allowed):
-            raise ApiError(f"{field}={json.dumps(value)[:60]} is not supported by localspec serve "
-                           f"(supported: {', '.join(json.dumps(a) for a in (None, *allowed))})", param=field)
-    if body.get("stream") is not None and type(body["stream"]) is not bool:
-        raise ApiError("stream must be true or false", param="stream")
-    options, names = {}, {}
-    for field, (name, kind) in _OPTIONS.items():
-        if body.get(field) is not None:
-            options[name], names[name] = _typed(field, body[field], kind), field
-    spec = {} if body.get("localspec") is None else body["localspec"]
-    if not isinstance(spec, dict):
-        raise ApiError("localspec must be an object with drafter, k, accept, p_min or threshold", param="localspec")
-    for field, value in spec.items():
-        if field not in _SPECULATION:
-            raise ApiError(f"unknown field localspec.{field}; allowed: {', '.join(_SPECULATION)}",
-                           param=f"localspec.{field}")
-        if value is not None:
-            options[field], names[field] = _typed(f"localspec.{field}", value, _SPECULATION[field]), f"localspec.{field}"
-    # Ranges the engine leaves open: numpy seeds are non-negative; OpenAI bounds the penalties.
-    if options.get("seed", 0) < 0:
-        raise ApiError(f"seed must be >= 0, got {options['seed']}", param="seed")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if not -2 <= options.get(name, 0) <= 2:
-            raise ApiError(f"{name} must be in [-2, 2], got {options[name]}", param=name)
-    stop = options.get("stop", [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > MAX_STOP or not all(0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise ApiError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters each "
-                       f"(OpenAI's limits), got {len(stop)} of up to {max(map(len, stop), default=0)}", param="stop")
-    options = defaults | options  # the server's defaults (the pair's, serve's flags); the request's fields win
-    try:
-        make_request(**options)  # the engine's own range checks, before the request waits its turn
-    except LocalspecError as e:
-        raise _bad_request(e, names, None) from None
-    return options, names
-
-
-def _bad_request(e: LocalspecError, names: dict, fallback: str | None) -> ApiError:
-    """An engine error as a 400; its message starts with the option it is about ('top_p=1.5 is ...')."""
-    head = re.match(r"\w+", str(e))
-    return ApiError(str(e), param=names.get(head.group() if head else "", fallback))
-
-
-def parse_messages(value, *, n_ctx: int) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise ApiError("messages must be a non-empty array of {role, content} objects", param="messages")
-    if len(value) > n_ctx:  # each message takes a token of template markup at least: spare rendering them
-        raise ApiError(f"{len(value)} messages cannot fit in this model's context of {n_ctx} tokens",
-                       param="messages", code="context_length_exceeded")
-    out = []
-    for i, m in enumerate(value):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(f"{p} must be an object with role and content", param=p)
-        role = m.get("role")
-        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
-            raise ApiError(f"{p}: tool and function calls are not supported by localspec serve", param=p)
-        if role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(f"{p}.role must be system, developer, user or assistant, got {json.dumps(role)[:40]}",
-                           param=f"{p}.role")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
-                raise ApiError(f"{p}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
-                               param=f"{p}.content")
-            content = "\n".join(c["text"] for c in content)
-        if not isinstance(content, str):
-            raise ApiError(f"{p}.content must be a string or an array of text parts", param=f"{p}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def check_text(body) -> None:
-    """Refuse lone UTF-16 surrogates ("\\ud800"): valid JSON escapes, but no text, so UTF-8 cannot encode them."""
-    todo = [("", body)]
-    while todo:  # not recursive: the JSON parser allows deeper nesting than Python's stack
-        path, value = todo.pop()
-        if isinstance(value, str) and _SURROGATE.search(value):
-            raise ApiError(f"{path or 'the body'} contains a lone UTF-16 surrogate, which is not text; "
-                           "send the string as valid UTF-8", param=path or None)
-        if isinstance(value, dict):
-            for key, v in value.items():
-                if _SURROGATE.search(key):
-                    raise ApiError(f"a field name in {path or 'the body'} contains a lone UTF-16 surrogate",
-                                   param=path or None)
-                todo.append((f"{path}.{key}" if path else key, v))
-        elif isinstance(value, list):
-            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
-
-
-def parse_prompt(value) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one
-    if isinstance(value, str):
-        if not value:
-            raise ApiError("prompt is empty", param="prompt")
-        return value
-    if isinstance(value, list) and value and all(type(t) is int for t in value):
-        return value
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
-        raise ApiError(f"prompt: a batch of {len(value)} prompts is not supported; send one request per prompt",
-                       param="prompt")
-    raise ApiError("prompt must be a non-empty string or array of token ids", param="prompt")
+def _response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error(str(e), type=e.type, param=e.param, code=e.code), status_code=e.status,
+                        headers=e.headers)
 
 
 # ---- the worker: the only thread that touches the engine ----
 class Job:
     """One request's generation, handed from the event loop to the worker and answered item by item."""
 
-    def __init__(self, kind: str, prompt, options: dict, names: dict):
-        self.kind, self.prompt, self.options, self.names = kind, prompt, options, names
+    def __init__(self, kind: str, req: ChatRequest | CompletionRequest):
+        self.kind, self.req = kind, req
         self.prompt_param = "messages" if kind == "chat" else "prompt"
         self.loop = asyncio.get_running_loop()
         self.out: asyncio.Queue = asyncio.Queue()
@@ -321,11 +153,11 @@ class Worker:
                 self.current = None
 
     def _tokens(self, job: Job) -> list[int]:
-        llm = self.engine
+        llm, req = self.engine, job.req
         if job.kind == "chat":
-            tokens = llm.chat_tokens(job.prompt)
+            tokens = llm.chat_tokens(for_template(req.messages), tools=req.tools)
         else:
-            tokens = llm.tokenize(job.prompt) if isinstance(job.prompt, str) else job.prompt
+            tokens = llm.tokenize(req.prompt) if isinstance(req.prompt, str) else req.prompt
         if len(tokens) > llm.target.n_ctx:
             raise ApiError(f"this model's context is {llm.target.n_ctx} tokens but the {job.prompt_param} "
                            f"take {len(tokens)}; shorten them or restart the server with a larger --n-ctx",
@@ -336,12 +168,12 @@ class Worker:
         try:
             # the engine checks `cancel` between prefill chunks and between rounds: a client that leaves, or
             # a shutdown, stops even a long prefill within a chunk
-            stream = self.engine.stream(self._tokens(job), cancel=job.cancelled.is_set, **job.options)
+            stream = self.engine.stream(self._tokens(job), cancel=job.cancelled.is_set, **job.req.options)
         except ApiError as e:
             job.put(("error", e))
             return
         except LocalspecError as e:
-            job.put(("error", _bad_request(e, job.names, job.prompt_param)))
+            job.put(("error", bad_request(e, job.req.names, job.prompt_param)))
             return
         job.put(("start", None))
         events = iter(stream)
@@ -454,8 +286,8 @@ class App:
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object")
         check_text(body)
-        if body.get("model") is not None:  # any name: one model is served (as llama.cpp's server does)
-            _typed("model", body["model"], str)
+        if body.get("model") is not None and not isinstance(body["model"], str):  # any name: one model is served
+            raise ApiError(f"model must be a string, got {json.dumps(body['model'])[:60]}", param="model")
         return body
 
     async def health(self, request: Request) -> Response:
@@ -478,19 +310,15 @@ class App:
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
-        messages = parse_messages(body.get("messages"), n_ctx=self.engine.target.n_ctx)
-        options, names = parse_options(body, chat=True, defaults=self.defaults)
-        options.setdefault("max_tokens", self.engine.target.n_ctx)  # OpenAI: until the context is full
-        return await self._run(request, Job("chat", messages, options, names), Chat(self.engine.name),
-                               bool(body.get("stream")))
+        llm = self.engine
+        req = parse_chat(body, defaults=self.defaults, n_ctx=llm.target.n_ctx, template=llm.target.chat_template(),
+                         token_of=llm.single_token)
+        return await self._run(request, Job("chat", req), Chat(llm.name, req.tool_format, req.tools), req.stream)
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
-        prompt = parse_prompt(body.get("prompt"))
-        options, names = parse_options(body, chat=False, defaults=self.defaults)
-        options.setdefault("max_tokens", 16)  # OpenAI's default for /v1/completions
-        return await self._run(request, Job("completion", prompt, options, names),
-                               Completion(self.engine.name), bool(body.get("stream")))
+        req = parse_completion(body, defaults=self.defaults)
+        return await self._run(request, Job("completion", req), Completion(self.engine.name), req.stream)
 
     async def _run(self, request: Request, job: Job, shape, stream: bool) -> Response:
         self.worker.submit(job)
@@ -528,10 +356,12 @@ class App:
             while (item := await job.next(gone)) is not None:
                 what, value = item
                 if what == "text":
-                    yield _sse(shape.chunk(value))
+                    for c in shape.chunks(value):
+                        yield _sse(c)
                     continue
                 if what == "end":
-                    yield _sse(shape.final_chunk(value))
+                    for c in shape.final_chunks(value):
+                        yield _sse(c)
                 else:  # the response has started: the error goes in the stream, as OpenAI sends it
                     yield _sse(error(str(value), type=value.type, param=value.param, code=value.code))
                 yield b"data: [DONE]\n\n"
@@ -546,17 +376,17 @@ def _reject_constant(name: str):
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return exc.response()
+    return _response(exc)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return ApiError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
-                    code=code, headers=exc.headers).response()
+    return _response(ApiError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
+                    code=code, headers=exc.headers))
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return ApiError(f"internal error: {exc}", status=500, type="server_error").response()
+    return _response(ApiError(f"internal error: {exc}", status=500, type="server_error"))
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -589,9 +419,9 @@ class _HostCheck:
     async def __call__(self, scope, receive, send) -> None:
         host = _hostname(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else ""
         if not self.allowed(host):
-            response = ApiError(f"this server does not answer to the name {host!r}: start it with --allow-host "
+            response = _response(ApiError(f"this server does not answer to the name {host!r}: start it with --allow-host "
                                 f"{host} (or with --api-key) to use that name", status=403,
-                                code="host_not_allowed").response()
+                                code="host_not_allowed"))
             return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -603,9 +433,9 @@ class _Cors(CORSMiddleware):
         response = super().preflight_response(request_headers)
         if response.status_code == 200:
             return response
-        return ApiError(f"CORS preflight refused ({response.body.decode()}): start the server with --cors ORIGIN "
+        return _response(ApiError(f"CORS preflight refused ({response.body.decode()}): start the server with --cors ORIGIN "
                         "to let a web page from ORIGIN call the API", status=response.status_code,
-                        code="cors_refused").response()
+                        code="cors_refused"))
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, cors: tuple[str, ...] = (),

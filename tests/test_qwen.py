@@ -82,3 +82,22 @@ def test_cli_end_to_end_with_the_pair(qwen_paths):
     assert r.returncode == 0, r.stderr
     assert "[::-1]" in r.stdout or "reverse" in r.stdout
     assert "accepted" in r.stderr
+
+
+def structured_prompts():
+    from localspec.bench import load_prompts
+
+    return load_prompts(os.path.join(os.path.dirname(localspec.__file__), "structured_prompts.jsonl"))
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid", "auto"])
+def test_exact_constrained_speculation_equals_constrained_plain(exact_pair, drafter):
+    """Structured output is lossless: every shipped structured prompt, its schema, each drafter."""
+    for p in structured_prompts():
+        prompt = exact_pair.chat_tokens(p["messages"])
+        plain = exact_pair.generate(prompt, max_tokens=96, temperature=0, drafter="none", json_schema=p["schema"])
+        spec = exact_pair.generate(prompt, max_tokens=96, temperature=0, drafter=drafter, k=6, p_min=0.0,
+                                   json_schema=p["schema"])
+        assert spec.tokens == plain.tokens, (p["id"], drafter)
+        if drafter != "model":
+            assert spec.stats.accepted_forced > 0, (p["id"], drafter)

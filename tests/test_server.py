@@ -411,8 +411,10 @@ BAD = {
                          "messages[0].content"),
     "image content": (CHAT, OK_CHAT | {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, "messages[0].content"),
-    "tool message": (CHAT, OK_CHAT | {"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}]},
-                     400, "messages[0]"),
+    "legacy function message": (CHAT, OK_CHAT | {"messages": [{"role": "function", "content": "42", "name": "f"}]},
+                                400, "messages[0]"),
+    "tool_calls not an array": (CHAT, OK_CHAT | {"messages": [{"role": "assistant", "tool_calls": {}}]}, 400,
+                                "messages[0].tool_calls"),
     "max_tokens a string": (CHAT, OK_CHAT | {"max_tokens": "ten"}, 400, "max_tokens"),
     "max_tokens 0": (CHAT, OK_CHAT | {"max_tokens": 0}, 400, "max_tokens"),
     "temperature negative": (CHAT, OK_CHAT | {"temperature": -1}, 400, "temperature"),
@@ -425,8 +427,21 @@ BAD = {
     "model a number": (CHAT, OK_CHAT | {"model": 5}, 400, "model"),
     "n above 1": (CHAT, OK_CHAT | {"n": 2}, 400, "n"),
     "logprobs": (CHAT, OK_CHAT | {"logprobs": True}, 400, "logprobs"),
-    "tools": (CHAT, OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    "json response_format": (CHAT, OK_CHAT | {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    # SmolLM2's chat template writes no tool-call format
+    "tools on a template without calls": (CHAT, OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                          400, "tools"),
+    "tools not an array": (CHAT, OK_CHAT | {"tools": {"name": "f"}}, 400, "tools"),
+    "tool name with spaces": (CHAT, OK_CHAT | {"tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
+                              "tools"),
+    "tool_choice naming no tool": (CHAT, OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                                    "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                                   400, "tool_choice"),
+    "tool_choice without tools": (CHAT, OK_CHAT | {"tool_choice": "required"}, 400, "tool_choice"),
+    "response_format xml": (CHAT, OK_CHAT | {"response_format": {"type": "xml"}}, 400, "response_format"),
+    "json_schema without a schema": (CHAT, OK_CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x"}}}, 400, "response_format.json_schema"),
+    "invalid json_schema": (CHAT, OK_CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, 400, "response_format"),
     "unknown field": (CHAT, OK_CHAT | {"frobnicate": 1}, 400, "frobnicate"),
     "localspec k 0": (CHAT, OK_CHAT | {"localspec": {"k": 0}}, 400, "localspec.k"),
     "localspec unknown drafter": (CHAT, OK_CHAT | {"localspec": {"drafter": "magic"}}, 400, "localspec.drafter"),
@@ -553,3 +568,98 @@ def test_server_keeps_serving_after_bad_input(server, smol_engine):
     r = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
     assert r.choices[0].message.content == chat_answer(smol_engine, MESSAGES, 8)
     assert "Traceback" not in server.output()
+
+
+# ---- structured output and tool calls, through the official client ----
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK_PERSON = [{"role": "user", "content": "Describe a fictional person as JSON with name and age."}]
+
+
+def test_response_format_json_schema(server, smol_engine):
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    client = server.client()
+    r = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, temperature=0, max_tokens=64,
+                                       response_format=rf)
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"name", "age"} and r.choices[0].finish_reason == "stop"
+    expected = smol_engine.generate(smol_engine.chat_tokens(ASK_PERSON), temperature=0, max_tokens=64,
+                                    json_schema=PERSON).text
+    assert r.choices[0].message.content == expected
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK_PERSON, temperature=0, max_tokens=64,
+                                                 response_format=rf, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    r = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, temperature=0, max_tokens=64,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def qwen_server(qwen_paths, tmp_path_factory):
+    """The Qwen pair: its chat template writes Hermes-style <tool_call> calls."""
+    s = Server(qwen_paths[0], tmp_path_factory.mktemp("qwen") / "server.log", "--draft", qwen_paths[1],
+               "--n-ctx", "2048", "--temperature", "0", fast=True)
+    yield s
+    s.stop()
+
+
+def test_tools_auto_calls_when_asked_and_answers_in_prose_when_not(qwen_server):
+    client = qwen_server.client()
+    r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "What's the weather in "
+                                                                                           "Paris right now?"}],
+                                       tools=[WEATHER, TIME], max_tokens=96)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Write a haiku about "
+                                                                                           "the sea."}],
+                                       tools=[WEATHER, TIME], max_tokens=64)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content and "<tool_call>" not in r.choices[0].message.content
+
+
+def test_tools_required_named_and_streamed(qwen_server):
+    client = qwen_server.client()
+    ask = [{"role": "user", "content": "I am flying to Tokyo tomorrow."}]
+    r = client.chat.completions.create(model="any", messages=ask, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=128, parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and "city" in json.loads(call.function.arguments)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(model="any", messages=ask, tools=[WEATHER, TIME], tool_choice=named,
+                                       max_tokens=128)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
+    stats = stats_of(r)
+    assert stats["drafted_forced"] > 0 and stats["accepted_forced"] > 0  # the call's markup was drafted
+    chunks = list(client.chat.completions.create(model="any", messages=ask, tools=[WEATHER, TIME],
+                                                 tool_choice=named, max_tokens=128, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].index == 0 and deltas[0].function.name == "get_time"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas if d.index == 0)) == \
+        json.loads(call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_tool_result_goes_back_through_the_template(qwen_server):
+    client = qwen_server.client()
+    messages = [{"role": "system", "content": "Use the tool results to answer the user in one sentence."},
+                {"role": "user", "content": "What's the weather in Paris?"}]
+    r = client.chat.completions.create(model="any", messages=messages, tools=[WEATHER], max_tokens=96,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = r.choices[0].message.tool_calls[0]
+    messages += [r.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "18°C and sunny"}]
+    r = client.chat.completions.create(model="any", messages=messages, tools=[WEATHER], max_tokens=64)
+    assert r.choices[0].finish_reason == "stop"
+    assert "18" in r.choices[0].message.content and not r.choices[0].message.tool_calls

@@ -1,0 +1,300 @@
+"""OpenAI request bodies -> typed, validated requests for the engine (the server's edge, and the API's
+create_chat_completion): every field checked once, bounded, and refused with an error that names it."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from .engine import make_request
+from .errors import LocalspecError
+from .tools import ToolError, ToolFormat, check_choice, check_tools, detect
+
+
+class ApiError(LocalspecError):
+    """A request answered with an OpenAI error object (HTTP `status`) instead of a completion."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.type, self.headers = status, param, code, type, headers
+
+
+# request field -> (engine option, type); the last three are llama.cpp server extensions
+_OPTIONS = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_tokens", int),
+            "temperature": ("temperature", float), "top_p": ("top_p", float), "seed": ("seed", int),
+            "frequency_penalty": ("frequency_penalty", float), "presence_penalty": ("presence_penalty", float),
+            "stop": ("stop", "stop"), "top_k": ("top_k", int), "min_p": ("min_p", float),
+            "repeat_penalty": ("repeat_penalty", float)}
+# under the request's "localspec" key
+_SPECULATION = {"drafter": str, "k": int, "accept": str, "p_min": float, "threshold": float}
+# sent by OpenAI clients and changing nothing here
+_IGNORED = {"model", "stream", "stream_options", "user", "store", "metadata", "service_tier", "localspec"}
+# honoured only at their no-op value (null always is one): anything else would be silently wrong here
+_NOOP = {"n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
+         "suffix": ("",), "logit_bias": ({},), "functions": ([],), "function_call": ("none", "auto"),
+         "modalities": (["text"],), "prediction": (), "audio": (), "reasoning_effort": (), "web_search_options": ()}
+_STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "functions", "function_call", "modalities",
+              "prediction", "audio", "reasoning_effort", "web_search_options"} | _STRUCTURED
+_COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
+_KNOWN = _OPTIONS.keys() | _IGNORED | _NOOP.keys() | _CHAT_ONLY | _COMPLETION_ONLY
+_KINDS = {int: "an integer in the 64-bit range", float: "a finite number", str: "a string",
+          "stop": "a string or an array of strings"}
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's limits; each stop string is searched for after every token
+MAX_TOOLS = 128  # OpenAI's limit
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    options: dict  # engine options, the server's defaults included
+    names: dict  # engine option -> request field, to name the field in an engine error
+    stream: bool
+    tools: list[dict] | None = None  # offered to the model through its chat template
+    tool_format: ToolFormat | None = None  # set when the output is to be parsed for tool calls
+
+
+@dataclass
+class CompletionRequest:
+    prompt: str | list[int]
+    options: dict
+    names: dict
+    stream: bool
+
+
+def _typed(param: str, value, kind):
+    try:
+        ok = {int: lambda v: type(v) is int and -2**63 <= v < 2**63,
+              float: lambda v: type(v) in (int, float) and math.isfinite(float(v)),
+              str: lambda v: isinstance(v, str),
+              "stop": lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+              }[kind](value)
+    except OverflowError:  # float(10**400)
+        ok = False
+    if not ok:
+        raise ApiError(f"{param} must be {_KINDS[kind]}, got {json.dumps(value)[:60]}", param=param)
+    return float(value) if kind is float else value  # numpy cannot take a 400-digit int as a float
+
+
+def parse_options(body: dict, *, chat: bool, defaults: dict) -> tuple[dict, dict]:
+    """(engine options over `defaults`, engine option -> request field) from a request body, or ApiError
+    naming the field."""
+    other = _COMPLETION_ONLY if chat else _CHAT_ONLY
+    for field in body:
+        if field in other or field not in _KNOWN:
+            raise ApiError(f"unknown field {field!r} for {'/v1/chat/completions' if chat else '/v1/completions'}",
+                           param=field)
+    for field, allowed in _NOOP.items():
+        value = body.get(field)
+        if value is not None and not any(type(value) is type(a) and value == a for a in allowed):
+            raise ApiError(f"{field}={json.dumps(value)[:60]} is not supported by localspec serve "
+                           f"(supported: {', '.join(json.dumps(a) for a in (None, *allowed))})", param=field)
+    if body.get("stream") is not None and type(body["stream"]) is not bool:
+        raise ApiError("stream must be true or false", param="stream")
+    options, names = {}, {}
+    for field, (name, kind) in _OPTIONS.items():
+        if body.get(field) is not None:
+            options[name], names[name] = _typed(field, body[field], kind), field
+    spec = {} if body.get("localspec") is None else body["localspec"]
+    if not isinstance(spec, dict):
+        raise ApiError("localspec must be an object with drafter, k, accept, p_min or threshold", param="localspec")
+    for field, value in spec.items():
+        if field not in _SPECULATION:
+            raise ApiError(f"unknown field localspec.{field}; allowed: {', '.join(_SPECULATION)}",
+                           param=f"localspec.{field}")
+        if value is not None:
+            options[field], names[field] = _typed(f"localspec.{field}", value, _SPECULATION[field]), f"localspec.{field}"
+    # Ranges the engine leaves open: numpy seeds are non-negative; OpenAI bounds the penalties.
+    if options.get("seed", 0) < 0:
+        raise ApiError(f"seed must be >= 0, got {options['seed']}", param="seed")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2 <= options.get(name, 0) <= 2:
+            raise ApiError(f"{name} must be in [-2, 2], got {options[name]}", param=name)
+    stop = options.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP or not all(0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ApiError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters each "
+                       f"(OpenAI's limits), got {len(stop)} of up to {max(map(len, stop), default=0)}", param="stop")
+    return defaults | options, names  # the server's defaults (the pair's, serve's flags); the request's fields win
+
+
+def check_options(options: dict, names: dict) -> None:
+    """The engine's own range checks (and the constraint's compilation), before the request waits its turn."""
+    try:
+        make_request(**options)
+    except LocalspecError as e:
+        raise bad_request(e, names, None) from None
+
+
+def bad_request(e: LocalspecError, names: dict, fallback: str | None) -> ApiError:
+    """An engine error as a 400; its message starts with the option it is about ('top_p=1.5 is ...')."""
+    if isinstance(e, ApiError):
+        return e
+    head = re.match(r"\w+", str(e))
+    return ApiError(str(e), param=names.get(head.group() if head else "", fallback))
+
+
+def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, response_format=None, template=None,
+               token_of=None) -> tuple[dict, dict, list[dict] | None, ToolFormat | None]:
+    """response_format and tools -> (engine options, option -> field, tools for the template, format to parse)."""
+    options, names = {}, {}
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            options["json_object"] = True
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ApiError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                               param="response_format.json_schema")
+            if spec.get("name") is not None and not isinstance(spec["name"], str):
+                raise ApiError("response_format.json_schema.name must be a string", param="response_format.json_schema.name")
+            if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+                raise ApiError("response_format.json_schema.strict must be true or false",
+                               param="response_format.json_schema.strict")
+            options["json_schema"] = spec["schema"]  # the output always follows the schema: strict or not
+        elif kind != "text":
+            raise ApiError('response_format.type must be "text", "json_object" or "json_schema"',
+                           param="response_format")
+        names.update({k: "response_format" for k in options})
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ApiError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    if tools is None:
+        if tool_choice not in (None, "none", "auto"):
+            raise ApiError("tool_choice needs tools", param="tool_choice")
+        return options, names, None, None
+    try:
+        tools = check_tools(tools)
+        if len(tools) > MAX_TOOLS:
+            raise ToolError(f"at most {MAX_TOOLS} tools, got {len(tools)}")
+        choice = check_choice(tool_choice, tools)
+    except ToolError as e:
+        raise ApiError(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
+    if choice == "none":
+        return options, names, tools, None  # offered, never called: the output is free text
+    if options:
+        raise ApiError("response_format with tools is not supported: a reply is either a tool call or JSON",
+                       param="response_format")
+    try:
+        fmt = detect(template)
+    except ToolError as e:
+        raise ApiError(str(e), param="tools") from None
+    options["grammar"] = fmt.grammar(tools, choice, parallel_tool_calls is not False, token_of)
+    names["grammar"] = "tools"
+    return options, names, tools, fmt
+
+
+def parse_chat(body: dict, *, defaults: dict, n_ctx: int, template: str | None, token_of) -> ChatRequest:
+    messages = parse_messages(body.get("messages"), n_ctx=n_ctx)
+    options, names = parse_options(body, chat=True, defaults=defaults)
+    extra, extra_names, tools, fmt = structured(**{k: body.get(k) for k in _STRUCTURED}, template=template,
+                                                token_of=token_of)
+    options, names = options | extra, names | extra_names
+    check_options(options, names)
+    options.setdefault("max_tokens", n_ctx)  # OpenAI: until the context is full
+    return ChatRequest(messages, options, names, bool(body.get("stream")), tools, fmt)
+
+
+def parse_completion(body: dict, *, defaults: dict) -> CompletionRequest:
+    prompt = parse_prompt(body.get("prompt"))
+    options, names = parse_options(body, chat=False, defaults=defaults)
+    check_options(options, names)
+    options.setdefault("max_tokens", 16)  # OpenAI's default for /v1/completions
+    return CompletionRequest(prompt, options, names, bool(body.get("stream")))
+
+
+def _text(content, p: str, *, optional: bool = False) -> str:
+    if content is None and optional:
+        return ""
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+            raise ApiError(f"{p}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                           param=f"{p}.content")
+        return "\n".join(c["text"] for c in content)
+    if not isinstance(content, str):
+        raise ApiError(f"{p}.content must be a string or an array of text parts", param=f"{p}.content")
+    return content
+
+
+def _tool_calls(calls, p: str) -> list[dict]:
+    if not isinstance(calls, list) or not calls:
+        raise ApiError(f"{p}.tool_calls must be a non-empty array", param=f"{p}.tool_calls")
+    out = []
+    for j, c in enumerate(calls):
+        q = f"{p}.tool_calls[{j}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
+            raise ApiError(f'{q} must be {{"id", "type": "function", "function": {{"name", "arguments": '
+                           f'JSON text}}}}', param=q)
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": f["name"], "arguments": f["arguments"]}})
+    return out
+
+
+def parse_messages(value, *, n_ctx: int) -> list[dict]:
+    """OpenAI messages: system/developer, user, assistant (text and/or tool_calls), tool results."""
+    if not isinstance(value, list) or not value:
+        raise ApiError("messages must be a non-empty array of {role, content} objects", param="messages")
+    if len(value) > n_ctx:  # each message takes a token of template markup at least: spare rendering them
+        raise ApiError(f"{len(value)} messages cannot fit in this model's context of {n_ctx} tokens",
+                       param="messages", code="context_length_exceeded")
+    out = []
+    for i, m in enumerate(value):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(f"{p} must be an object with role and content", param=p)
+        role = m.get("role")
+        if role == "function" or m.get("function_call"):
+            raise ApiError(f"{p}: the legacy function-call messages are not supported; use tools and role "
+                           "'tool'", param=p)
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ApiError(f"{p}.role must be system, developer, user, assistant or tool, got "
+                           f"{json.dumps(role)[:40]}", param=f"{p}.role")
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _text(m.get("content"), p, optional=role == "assistant")}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], p)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id", ""), str):
+                raise ApiError(f"{p}.tool_call_id must be a string", param=f"{p}.tool_call_id")
+            msg["tool_call_id"] = m.get("tool_call_id", "")
+        out.append(msg)
+    return out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(body) -> None:
+    """Refuse lone UTF-16 surrogates ("\\ud800"): valid JSON escapes, but no text, so UTF-8 cannot encode them."""
+    todo = [("", body)]
+    while todo:  # not recursive: the JSON parser allows deeper nesting than Python's stack
+        path, value = todo.pop()
+        if isinstance(value, str) and _SURROGATE.search(value):
+            raise ApiError(f"{path or 'the body'} contains a lone UTF-16 surrogate, which is not text; "
+                           "send the string as valid UTF-8", param=path or None)
+        if isinstance(value, dict):
+            for key, v in value.items():
+                if _SURROGATE.search(key):
+                    raise ApiError(f"a field name in {path or 'the body'} contains a lone UTF-16 surrogate",
+                                   param=path or None)
+                todo.append((f"{path}.{key}" if path else key, v))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+
+
+def parse_prompt(value) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise ApiError("prompt is empty", param="prompt")
+        return value
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return value
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+        raise ApiError(f"prompt: a batch of {len(value)} prompts is not supported; send one request per prompt",
+                       param="prompt")
+    raise ApiError("prompt must be a non-empty string or array of token ids", param="prompt")

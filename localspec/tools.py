@@ -1,0 +1,224 @@
+"""Tool calls: each format is data — how a chat template is recognised, how a call is constrained, how the
+model's output is parsed into OpenAI `tool_calls`, and how past calls are rendered back through the template.
+
+Supported: the Hermes/Qwen format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), recognised as
+llama.cpp's common/chat.cpp does, by "<tool_call>" in the template. Other templates are refused by name.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import LocalspecError
+
+
+class ToolError(LocalspecError):
+    """tools / tool_choice / tool messages are malformed, or the model's template has no known call format."""
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+    id: str
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    marker: str  # text in a chat template that says it writes calls this way
+    open: str
+    close: str
+    # How the template writes a call's JSON (Qwen's: json.dumps separators): forcing the same spelling keeps the
+    # model on its own tokens, and the keys, quotes and punctuation become forced drafts.
+    json_style: dict
+    # Another way the model may open a call when free to choose (tool_choice auto), with its closing text:
+    # Qwen2.5-Coder writes ```json {"name": ..., "arguments": ...} ``` rather than <tool_call> (llama.cpp's
+    # Hermes handler accepts it too). Only a fence whose JSON starts with a tool's name counts as a call.
+    fence: tuple[str, str] | None = None
+
+    def grammar(self, tools: list[dict], choice: str, parallel: bool, token_of) -> str | None:
+        """The Lark grammar for a request's calls; None when output is free (tool_choice none).
+
+        token_of(text) -> the id of the single token spelling `text`, or None: a tag that is one token in the
+        model's vocabulary is matched as that token, as the model writes it.
+        """
+        if choice == "none":
+            return None
+        chosen = tools if choice in ("auto", "required") else [t for t in tools if t["function"]["name"] == choice]
+        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": _params(t)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+        schema = json.dumps((calls[0] if len(calls) == 1 else {"anyOf": calls}) | {"x-guidance": self.json_style})
+        tag = lambda text: f"<[{token_of(text)}]>" if token_of(text) is not None else json.dumps(text)  # noqa: E731
+        body = f'"\\n" %json {schema} "\\n" {tag(self.close)}'
+        if choice != "auto":  # required: one call or more (parallel); a named function: one call to it
+            start = 'start: call ("\\n" call)*' if choice == "required" and parallel else "start: call"
+            return f"{start}\ncall: {tag(self.open)} {body}\n"
+        # auto: free text until the model opens a call, where the constraint starts (a lazy trigger)
+        rules = [f"tagged: TEXT {tag(self.open)} {body}"]
+        kinds = ["tagged"]
+        if self.fence is not None:
+            fo, fc = self.fence
+            named = " | ".join(f'{json.dumps(t["function"]["name"] + chr(34))} /\\s*,\\s*"arguments"\\s*:\\s*/ '
+                               f'%json {json.dumps(_params(t) | {"x-guidance": self.json_style})}' for t in chosen)
+            rules += [f'fence_open[lazy]: TEXT /{_re(fo)}\\s*\\{{\\s*"name"\\s*:\\s*"/',
+                      f"fenced: fence_open ({named}) /\\s*\\}}\\s*{_re(fc)}/"]
+            kinds.append("fenced")
+        start = f"start: ({' | '.join(kinds)}){'*' if parallel else '?'} TEXT"
+        return "\n".join([start, *rules, "TEXT: /(.|\\n)*/"]) + "\n"
+
+    def parser(self, tools: list[dict] | None = None) -> "CallParser":
+        return CallParser(self, {t["function"]["name"] for t in tools or ()})
+
+
+def _params(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def _re(text: str) -> str:
+    """text as a Lark /regex/ literal body."""
+    return re.sub(r"([\\^$.|?*+()\[\]{}/])", r"\\\1", text)
+
+
+HERMES = ToolFormat("hermes (Qwen2.5, Hermes 2/3)", marker="<tool_call>", open="<tool_call>", close="</tool_call>",
+                    json_style={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+                    fence=("```json", "```"))
+FORMATS = (HERMES,)
+
+
+def detect(template: str | None) -> ToolFormat:
+    for f in FORMATS:
+        if template and f.marker in template:
+            return f
+    raise ToolError("this model's chat template writes no tool-call format localspec knows (supported: "
+                    f"{', '.join(f.name for f in FORMATS)}); use a model whose template has one, or leave tools out")
+
+
+def check_tools(tools) -> list[dict]:
+    """OpenAI `tools`, validated: [{"type": "function", "function": {"name", "description"?, "parameters"?}}]."""
+    if not isinstance(tools, list) or not tools:
+        raise ToolError("tools must be a non-empty array of {type: function, function: {name, parameters}}")
+    out, names = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
+            raise ToolError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolError(f"{where}.function.name must be 1-64 letters, digits, _ or -, got {json.dumps(name)[:60]}")
+        if name in names:
+            raise ToolError(f"{where}.function.name {name!r} is given twice")
+        names.add(name)
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise ToolError(f"{where}.function.parameters must be a JSON Schema object")
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise ToolError(f"{where}.function.description must be a string")
+        out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters")
+                                                     if f.get(k) is not None}})
+    return out
+
+
+def check_choice(choice, tools: list[dict] | None) -> str:
+    """tool_choice -> 'none' | 'auto' | 'required' | a function name."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("none", "auto", "required"):
+        if choice != "none" and not tools:
+            raise ToolError(f"tool_choice {choice!r} needs tools")
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                        '{"name": NAME}}')
+    if not tools or name not in {t["function"]["name"] for t in tools}:
+        raise ToolError(f"tool_choice names {name!r}, which is not among the tools")
+    return name
+
+
+def for_template(messages: Sequence[dict]) -> list[dict]:
+    """Messages as chat templates read them: a past call's arguments as an object, not OpenAI's JSON text."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                f = dict(c["function"])
+                try:
+                    f["arguments"] = json.loads(f["arguments"]) if isinstance(f.get("arguments"), str) else f.get("arguments")
+                except ValueError:
+                    pass  # not JSON: the template shows it as written
+                calls.append(dict(c, function=f))
+            m = dict(m, tool_calls=calls)
+        out.append(m)
+    return out
+
+
+class CallParser:
+    """Output text -> content and tool calls, incrementally: feed() returns what can be shown now.
+
+    Text that may be the start of an opening tag is held back until it is known; a call is returned once its
+    closing tag arrives. A fenced JSON block is a call only when it names one of the tools. Whatever is left
+    open at the end comes back as content.
+    """
+
+    def __init__(self, fmt: ToolFormat, names: set[str]):
+        self.names = names
+        self.tags = [(fmt.open, fmt.close)] + ([fmt.fence] if fmt.fence else [])
+        self._buf, self._open = "", None  # text not yet returned; the tag pair of the call being read
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._buf += text
+        out: list[str | ToolCall] = []
+        while True:
+            if self._open is None:
+                hits = [(i, pair) for pair in self.tags if (i := self._buf.find(pair[0])) >= 0]
+                if not hits:
+                    keep = max((n for o, _ in self.tags for n in range(1, len(o)) if self._buf.endswith(o[:n])),
+                               default=0)
+                    if len(self._buf) > keep:
+                        out.append(self._buf[:len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                i, self._open = min(hits, key=lambda h: h[0])
+                if i:
+                    out.append(self._buf[:i])
+                self._buf = self._buf[i:]
+            opening, closing = self._open
+            j = self._buf.find(closing, len(opening))
+            if j < 0:
+                return out
+            raw = self._buf[:j + len(closing)]
+            call = self._call(self._buf[len(opening):j])
+            if call is None:  # not a call after all: show it as the model wrote it
+                out.append(raw)
+            else:
+                self.calls.append(call)
+                out.append(call)
+            self._buf, self._open = self._buf[len(raw):].lstrip("\n") if call else self._buf[len(raw):], None
+
+    def finish(self) -> str:
+        rest, self._buf, self._open = self._buf, "", None
+        return rest
+
+    def _call(self, body: str) -> ToolCall | None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in self.names:
+            return None
+        args = obj.get("arguments", {})
+        return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                        f"call_{uuid.uuid4().hex[:24]}")
