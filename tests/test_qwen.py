@@ -99,5 +99,5 @@ def test_exact_constrained_speculation_equals_constrained_plain(exact_pair, draf
         spec = exact_pair.generate(prompt, max_tokens=96, temperature=0, drafter=drafter, k=6, p_min=0.0,
                                    json_schema=p["schema"])
         assert spec.tokens == plain.tokens, (p["id"], drafter)
-        if drafter != "model":
+        if drafter in ("ngram", "hybrid"):  # they always draft what the grammar forces; auto when it pays
             assert spec.stats.accepted_forced > 0, (p["id"], drafter)
