@@ -8,6 +8,11 @@ caches cleared before each run so no method reuses another's prompt. Speed is to
 emitted token to the last, for every method alike (prompt processing is excluded). Ratios are to plain
 decoding in the same run. Our methods are read through the public Engine.stream, as users read it. A peer
 that raises is reported as failed for that prompt, and the bench goes on.
+
+A prompt line may carry a JSON Schema (`schema`): every method then runs constrained to it — ours through
+json_schema=, llama-cpp-python's through its own grammar sampler (LlamaGrammar.from_json_schema, what its
+create_chat_completion(response_format={"type": "json_object", "schema": ...}) uses), on the same prompt
+tokens — and each output is validated against the schema (with `jsonschema`, when installed).
 """
 from __future__ import annotations
 
@@ -25,8 +30,10 @@ from .model import KV_TYPES, default_threads
 from .sampling import SamplingParams
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
+STRUCTURED = Path(__file__).with_name("structured_prompts.jsonl")
 OURS = ("none", "model", "ngram", "hybrid", "auto")
-PEERS = {"peer-2": 2, "peer-10": 10}  # llama-cpp-python LlamaPromptLookupDecoding(num_pred_tokens=N)
+# llama-cpp-python: plain decoding ("peer"), and LlamaPromptLookupDecoding(num_pred_tokens=N)
+PEERS = {"peer": 0, "peer-2": 2, "peer-10": 10}
 METHODS = OURS + tuple(PEERS)
 NEED_DRAFT = ("model", "hybrid")
 
@@ -46,6 +53,7 @@ class Run:
     ratio: float = 0.0
     same_as_plain: bool | None = True  # None: not comparable (sampled without a seed; a peer's own sampler)
     failed: str | None = None          # a peer that raised: its error, on one line
+    valid: bool | None = None          # under a schema: whether the output is valid JSON for it
 
 
 @dataclass
@@ -58,7 +66,7 @@ class Row:
 def _is_prompt(r: object) -> bool:
     msgs = r.get("messages") if isinstance(r, dict) else None
     return (isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("kind", ""), str)
-            and isinstance(msgs, list) and bool(msgs)
+            and isinstance(r.get("schema", {}), dict) and isinstance(msgs, list) and bool(msgs)
             and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in msgs))
 
@@ -80,7 +88,8 @@ def load_prompts(path: str | Path | None) -> list[dict]:
             raise BenchError(f"{path}:{n}: not JSON ({e})") from None
         if not _is_prompt(r):
             raise BenchError(f"{path}:{n}: expected an object with 'id' (a string), 'messages' (a list of "
-                             f"{{role, content}} strings) and optionally 'kind', got {line.strip()[:60]}")
+                             f"{{role, content}} strings) and optionally 'kind' and 'schema' (a JSON Schema "
+                             f"object), got {line.strip()[:60]}")
         rows.append(r)
     if not rows:
         raise BenchError(f"{path}: no prompts in it")
@@ -135,11 +144,12 @@ def load_peer(llm, n_ctx: int):
 
 
 def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: float = 0.0,
-          seed: int | None = None) -> Run:
+          seed: int | None = None, schema: dict | None = None) -> Run:
     models = [m for m in (llm.target, llm.draft) if m is not None]
     for m in models:
         m.truncate(0)
-    stream = llm.stream(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed, drafter=method)
+    stream = llm.stream(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed, drafter=method,
+                        json_schema=schema)
     n, text, t_first = 0, [], None
     for ev in stream:
         if t_first is None:
@@ -155,13 +165,19 @@ def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: flo
                1.0 - inside / wall if wall > 0 else None)
 
 
-def _peer(llama, tokens: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> Run:
+def _peer(llama, tokens: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+          schema: dict | None = None) -> Run:
     llama.reset()
     s = SamplingParams(temperature=temperature)  # the engine's defaults for the rest
     n, text, t_first = 0, [], None
     try:
+        grammar = None
+        if schema is not None:
+            from llama_cpp import LlamaGrammar
+
+            grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
         for chunk in llama.create_completion(tokens, max_tokens=max_tokens, temperature=s.temperature,
-                                             top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                             top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, grammar=grammar,
                                              repeat_penalty=s.repeat_penalty, seed=seed, stream=True):
             if t_first is None:
                 t_first = time.perf_counter()
@@ -201,11 +217,14 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
         tries: dict[str, list[Run]] = {m: [] for m in methods}
         for i in range(repeat):
             for m in methods[i % len(methods):] + methods[:i % len(methods)]:  # rotated each time
+                schema = p.get("schema")
                 if m in PEERS:
-                    peer.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=PEERS[m])
-                    r = _peer(peer, tokens, max_tokens, temperature, seed)
+                    peer.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=PEERS[m]) if PEERS[m] else None
+                    r = _peer(peer, tokens, max_tokens, temperature, seed, schema)
                 else:
-                    r = _ours(llm, tokens, m, max_tokens, temperature, seed)
+                    r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema)
+                if schema is not None and not r.failed:
+                    r.valid = valid(r.text, schema)
                 tries[m].append(r)
                 log(f"{p['id']:18s} {m:8s} " + (f"failed: {r.failed}" if r.failed else
                                                  f"{r.tps:6.1f} tok/s  {r.tokens} tokens"))
@@ -223,6 +242,19 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     return rows
 
 
+def valid(text: str, schema: dict) -> bool | None:
+    """Whether text is JSON valid for the schema; None when jsonschema is not installed."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
 def geomean(rows: list[Row], method: str) -> float | None:
     """Geometric mean of the ratios to plain over the prompts where the method ran; None when it never did."""
     ratios = [r.runs[method].ratio for r in rows if not r.runs[method].failed]
@@ -235,6 +267,7 @@ def _cell(m: str, r: Run) -> str:
     cell = f"{r.tps:.1f}" if m == "none" else f"{r.tps:.1f} ({r.ratio:.2f}x)"
     if r.acceptance is not None:
         cell += f" {r.acceptance:.0%} {r.mean_accepted:.1f}/rd"
+    cell += {True: " ✓", False: " INVALID", None: ""}[r.valid]
     return cell + (" ≠" if r.same_as_plain is False else "")
 
 
@@ -249,6 +282,9 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     out.append(f"| geomean ratio | {' | '.join('n/a' if g is None else f'{g:.2f}x' for g in means)} |")
     shares = {m: [r.runs[m].outside_decode for r in rows if r.runs[m].outside_decode is not None] for m in methods}
     out.append(f"| outside llama_decode | {' | '.join(f'{sum(v) / len(v):.1%}' if v else 'n/a' for v in shares.values())} |")
+    checked = {m: [r.runs[m].valid for r in rows if r.runs[m].valid is not None] for m in methods}
+    if any(checked.values()):
+        out.append(f"| valid JSON | {' | '.join(f'{sum(v)}/{len(v)}' if v else 'n/a' for v in checked.values())} |")
     out.append("\ntokens/s from first to last token; (ratio) to plain in this run; NN% = acceptance rate, "
                "N.N/rd = mean accepted draft tokens per drafting round; geomean over the prompts a method ran.")
     if temperature == 0:

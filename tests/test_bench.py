@@ -177,3 +177,21 @@ def test_methods_that_need_a_draft(monkeypatch, capsys, tmp_path, smol_path):
     code, err = main(monkeypatch, capsys, "bench", "--target", smol_path, "--prompts", path)
     assert code == 0 and "skipping model, hybrid (give --draft" in err      # the default list: said, then run
     assert asked == [["none", "ngram", "auto", "peer-2", "peer-10"]]
+
+
+def test_structured_prompts_run_constrained_and_are_validated(smol_engine):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    p = prompt("person", "Describe a fictional person as JSON with name and age.") | {"schema": schema}
+    (row,) = bench.run(smol_engine, [p], methods=("none", "auto", "peer"), max_tokens=48)
+    for m in ("none", "auto", "peer"):
+        assert row.runs[m].valid is True, (m, row.runs[m].text)
+    out = bench.table([row])
+    assert "| valid JSON | 1/1 | 1/1 | 1/1 |" in out and "INVALID" not in out
+
+
+def test_the_shipped_structured_set_is_well_formed():
+    rows = bench.load_prompts(bench.STRUCTURED)
+    assert len(rows) >= 6 and len({r["id"] for r in rows}) == len(rows)
+    assert all(r["kind"] in ("extract", "classify") and r["schema"]["type"] == "object" for r in rows)
+    assert bench.valid("{}", {"type": "object", "required": ["a"]}) is False
