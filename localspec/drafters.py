@@ -189,11 +189,15 @@ class AcceptanceStats:
         self.tried, self.accepted = np.zeros(k_max), np.zeros(k_max)
         self.prior, self.weight, self.decay = prior, weight, decay
 
-    def update(self, n_tried: int, n_accepted: int) -> None:
-        self.tried *= self.decay
-        self.accepted *= self.decay
-        self.tried[:n_tried] += 1
-        self.accepted[:n_accepted] += 1
+    def update(self, n_tried: int, n_accepted: int, start: int = 0, final: bool = True) -> None:
+        """Count positions start..n_tried-1 as tried and start..n_accepted-1 as accepted. A guess whose tokens
+        are confirmed one round at a time is counted as they are (final=False), so a long copy run teaches
+        while it lasts; the forgetting applies once per guess, when it is settled."""
+        if final:
+            self.tried *= self.decay
+            self.accepted *= self.decay
+        self.tried[start:n_tried] += 1
+        self.accepted[start:n_accepted] += 1
 
     def rates(self, n: int) -> np.ndarray:
         return (self.accepted[:n] + self.weight * self.prior) / (self.tried[:n] + self.weight)
@@ -255,12 +259,13 @@ class AutoDrafter:
         # bursty: once the model copies a span it tends to go on, and a miss tends to start a new stretch.
         self.ngram_stats = {(size, run): AcceptanceStats(k_max, prior)
                             for size, p0 in ((1, 0.1), (2, 0.25), (3, 0.35), (4, 0.45), (6, 0.55))
-                            for run, prior in ((0, p0), (1, 0.6), (2, 0.85))}
+                            for run, prior in ((0, p0), (1, 0.6), (2, 0.85), (3, 0.9))}
         self.run = 0
         self.model_stats = AcceptanceStats(k_max, 0.7)
         self.forced_stats = AcceptanceStats(k_max, 0.95)
         self.probe_every, self.since_model = 64, 0
-        self.pending: list[tuple[int, list[int], AcceptanceStats]] = []  # (position, tokens, whose stats)
+        # guesses not settled yet: (position, tokens, whose stats, how many leading ones are counted already)
+        self.pending: list[tuple[int, list[int], AcceptanceStats, int]] = []
         self._ngram_set = set(self.ngram_stats.values())
 
     def _cost(self, depth: int):
@@ -278,22 +283,23 @@ class AutoDrafter:
 
     def _learn(self, context: Sequence[int]) -> None:
         keep, run = [], None
-        for pos, tokens, stats in self.pending:
+        for pos, tokens, stats, counted in self.pending:
             known = context[pos:pos + len(tokens)]
             m = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), len(known))
             if stats in self._ngram_set and pos + len(known) == len(context):
                 run = m == len(known) and m > 0, len(known)  # the latest guess, against the newest tokens
             if m < len(known) or len(known) == len(tokens):
-                stats.update(min(m + 1, len(tokens)), m)
+                stats.update(min(m + 1, len(tokens)), m, counted)
             else:
-                keep.append((pos, tokens, stats))
+                stats.update(m, m, counted, final=False)  # confirmed so far, the rest still to come
+                keep.append((pos, tokens, stats, m))
         self.pending = keep
         if run is not None:
             self.run = self.run + run[1] if run[0] else 0
 
     @property
     def _run_level(self) -> int:
-        return 0 if self.run == 0 else 1 if self.run < 4 else 2
+        return 0 if self.run == 0 else 1 if self.run < 4 else 2 if self.run < 12 else 3
 
     def propose(self, context: Sequence[int], n: int) -> Draft:
         self._learn(context)
@@ -306,7 +312,7 @@ class AutoDrafter:
         rates = self.forced_stats.rates(f)
         best = ("none", 0, self.MARGIN * self._plain(depth))
         if f:
-            self.pending.append((len(context), forced, self.forced_stats))
+            self.pending.append((len(context), forced, self.forced_stats, 0))
             k, speed = _best(rates, cost, 0.0, self.row_cost, start=f)
             if speed > best[2]:
                 best = ("forced", f, speed)
@@ -316,7 +322,7 @@ class AutoDrafter:
             size, cont = self.ngram.lookup(ctx, n - f)
             if cont:
                 stats = self.ngram_stats[_bucket(size), self._run_level]
-                self.pending.append((len(ctx), cont, stats))
+                self.pending.append((len(ctx), cont, stats, 0))
                 k, speed = _best(np.concatenate([rates, stats.rates(len(cont))]), cost, 0.0, self.row_cost, start=f)
                 if speed > best[2]:
                     best = ("ngram", k, speed)
@@ -348,5 +354,5 @@ class AutoDrafter:
                 if self.grammar is not None:
                     self.grammar.rollback(f)
             if rest.tokens:
-                self.pending.append((len(ctx), rest.tokens, self.model_stats))
+                self.pending.append((len(ctx), rest.tokens, self.model_stats, 0))
         return constrained(self.grammar, forced, rest) if self.grammar is not None else rest

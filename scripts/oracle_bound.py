@@ -1,27 +1,58 @@
 #!/usr/bin/env python3
-"""How fast could n-gram speculation possibly be here? An upper bound from an oracle that knows the future.
+"""How fast could speculation possibly be here, and how much of that does `auto` capture? Free of timing noise.
 
-For each prompt, greedy plain decoding gives the output; at every position the n-gram lookup (the one
-`auto` uses) proposes a continuation, and we know how many of its tokens the target would accept. With this
-machine's measured verify costs (localspec's calibration), dynamic programming picks, position by position,
-the best choice between a plain step and a draft of any length. No real policy can beat the result: it
-is the speedup ceiling of n-gram drafting on this machine, to be read beside `localspec bench`.
+`record` runs plain greedy decoding once per prompt (constrained to the prompt's schema when it has one) and
+saves the outputs, this host's measured costs (localspec's calibration) and, with --draft-proposals, the draft
+model's own greedy proposals at every position (with its top probabilities, for p_min).
 
-Beside it, the same outputs replayed through the `auto` policy (a fresh one per prompt, as each request
-gets), with the same costs: what the policy captures of the ceiling, free of timing noise. Costs are priced
-at the context depth where each step happens, as `auto` prices them.
+`replay` then prices, with a cost curve — this host's, or one measured on another host (MODELS.md) —
+  - the ceiling: dynamic programming with perfect foresight over what could be drafted at each position
+    (the tokens a grammar forces, an n-gram continuation, the draft model's proposal), choosing per position
+    a plain step or a draft of any length;
+  - `auto`, fed the same outputs, making its own decisions as in a live run;
+  - the fixed drafters: none, ngram k 4, ngram k 16, model k 4.
+A draft-model round also pays for catching the draft's cache up over the tokens since it last ran.
 
-    python scripts/oracle_bound.py [--pair NAME | --target T --draft D] [--max-tokens 256] [--threads 2]
+    python scripts/oracle_bound.py record --prompts shipped --out runs.json [--draft-proposals] [--threads 2]
+    python scripts/oracle_bound.py replay runs.json [--costs host|amd1|amd2|intel|all]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
-import localspec
-from localspec.bench import load_prompts
-from localspec.drafters import AutoDrafter, NgramDrafter
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from localspec.bench import PROMPTS, STRUCTURED, load_prompts  # noqa: E402
+from localspec.calibrate import Costs  # noqa: E402
+from localspec.drafters import AutoDrafter, Draft, NgramDrafter  # noqa: E402
+
+HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
+SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED}
+K = 16  # longest draft considered (auto's default k)
+SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
+
+
+def curve(points: dict[int, float], draft_ms: float, per_row_ms: float = 0.0) -> Costs:
+    """A cost curve measured at one depth: ms per target decode of n tokens -> Costs."""
+    ns, ms = zip(*sorted(points.items()))
+    verify = np.interp(SIZES, ns, ms) + per_row_ms * (np.array(SIZES) - 1)
+    return Costs(SIZES, (256,), (tuple(verify / 1e3),), (draft_ms / 1e3,), 0.0)
+
+
+# ../shared/MODELS.md. amd1 is llama-bench's pp-n (logits for the last row only) plus 3.6 ms per other row,
+# as measured per row in a 16-row batch on an AMD host; amd2 and intel are localspec's calibration.
+CURVES = {
+    "amd1": curve({1: 29, 2: 38, 4: 63, 6: 90, 8: 106, 16: 119, 32: 211}, 16.0, per_row_ms=3.6),
+    "amd2": curve({1: 34.7, 2: 61.0, 5: 118, 9: 233, 17: 325, 33: 504}, 20.8),
+    "intel": curve({1: 68, 2: 100, 3: 130, 5: 141, 6: 169, 8: 208, 10: 248, 12: 260, 14: 300, 17: 308, 24: 398,
+                    33: 493}, 31.5),
+}
+DRAFT_PREFILL_SHARE = 0.25  # a token of draft catch-up (a batched prefill) costs this share of a draft step
 
 
 def agreed(guess, actual) -> int:
@@ -29,55 +60,187 @@ def agreed(guess, actual) -> int:
     return next((i for i, (x, y) in enumerate(zip(guess, actual)) if x != y), min(len(guess), len(actual)))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair")
-    ap.add_argument("--target")
-    ap.add_argument("--draft")
-    ap.add_argument("--prompts")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int)
-    ap.add_argument("-k", type=int, default=16, help="longest draft considered (auto's default k)")
-    a = ap.parse_args()
-    kw = {"target": a.target, "draft": a.draft} if a.target else {"pair": a.pair}
-    llm = localspec.load(n_threads=a.threads, **kw)
+# ---- record ----
+def draft_proposals(draft, context: list[int], out: list[int]) -> list[tuple[list[int], list[float]]]:
+    """The draft model's greedy proposal (K tokens, with its top probability for each) at every position.
+
+    Where the output followed the last proposal, the next one is that proposal shifted plus one decode."""
+    props, prev = [], None
+    for t in range(len(out)):
+        ctx = context + out[:t]
+        if prev is not None and t > 0 and prev[0] and prev[0][0] == out[t - 1] and len(prev[0]) == K:
+            toks, probs = prev[0][1:], prev[1][1:]
+            row = draft.decode([toks[-1]], logits="last")[0]
+        else:
+            toks, probs = [], []
+            row = draft.sync(ctx, logits=True)[1][0]
+        while len(toks) < K:
+            z = row - row.max()
+            tok = int(np.argmax(z))
+            toks.append(tok)
+            probs.append(float(1.0 / np.exp(z).sum()))
+            if len(toks) < K:
+                row = draft.decode([tok], logits="last")[0]
+        prev = (toks, probs)
+        props.append((list(toks), list(probs)))
+    return props
+
+
+def record(a) -> None:
+    import localspec
+
+    llm = localspec.load(**({"target": a.target, "draft": a.draft} if a.target else {"pair": a.pair}),
+                         n_threads=a.threads)
     costs = llm.calibration()
-    lookup = NgramDrafter(n_min=1, n_max=8).lookup
-    ratios, replays = [], []
-    for p in load_prompts(a.prompts):
+    runs = []
+    for p in load_prompts(SETS.get(a.prompts, a.prompts)):
         prompt = llm.chat_tokens(p["messages"])
-        out = llm.generate(prompt, max_tokens=a.max_tokens, temperature=0, drafter="none").tokens
-        seq = prompt + out
-        n = len(out)
+        out = llm.generate(prompt, max_tokens=a.max_tokens, temperature=0, drafter="none",
+                           json_schema=p.get("schema")).tokens
+        run = {"id": p["id"], "kind": p.get("kind", ""), "prompt": prompt, "out": out, "schema": p.get("schema")}
+        if a.draft_proposals and llm.draft is not None and p.get("schema") is None:
+            run["draft"] = draft_proposals(llm.draft, prompt, out)
+        runs.append(run)
+        print(f"recorded {p['id']}: {len(out)} tokens", file=sys.stderr)
+    data = {"target": str(llm.target.path), "costs": {"sizes": costs.sizes, "depths": costs.depths,
+                                                       "verify": costs.verify, "draft": costs.draft,
+                                                       "sample_row": costs.sample_row}, "runs": runs}
+    Path(a.out).write_text(json.dumps(data))
 
-        def c(k: int, t: int) -> float:  # a verify of k tokens after the prompt and out[:t]
-            return costs.verify_cost(k, len(prompt) + t)
 
-        # best[t]: least time to produce out[t:], from the state where out[:t] is known
+# ---- replay ----
+class Recorded:
+    """The draft model, replayed: its recorded greedy proposal at each position, cut by p_min and n."""
+
+    def __init__(self, props, start: int, p_min: float):
+        self.props, self.start, self.p_min = props, start, p_min
+        self.last = None  # the context length it last drafted at: its cache is caught up to there
+
+    def fits(self, context) -> bool:
+        return True
+
+    def propose(self, context, n: int) -> Draft:
+        toks, probs = self.props[len(context) - self.start]
+        k = next((i for i, q in enumerate(probs[:n]) if q < self.p_min), min(n, len(toks)))
+        return Draft(list(toks[:k]))
+
+
+def replay_one(run, costs: Costs, policy: str, target=None) -> float:
+    """Seconds to produce the run's output under a policy ('oracle', 'auto', 'none', 'ngram4', 'ngram16',
+    'model4')."""
+    from localspec.grammar import Grammar, compile_spec
+
+    prompt, out, n = run["prompt"], run["out"], len(run["out"])
+    seq = prompt + out
+
+    def c(k: int, t: int) -> float:
+        return float(costs.verify_cost(k, len(prompt) + t))
+
+    def grammar():
+        return Grammar(target, compile_spec(json_schema=run["schema"])) if run.get("schema") else None
+
+    draft_step = costs.draft_cost(len(prompt))
+    props = run.get("draft")
+    if policy == "oracle":
+        lookup, g, cands = NgramDrafter(n_min=1, n_max=8).lookup, grammar(), []
+        for t in range(n):
+            forced = g.forced()[:K] if g is not None else []
+            cont = lookup(seq[:len(prompt) + t] + forced, K - len(forced))[1] if len(forced) < K else []
+            cand = forced + cont
+            cands.append([(cand[:g.validate(cand)] if g is not None else cand, 0.0)])
+            if props is not None:  # the draft model's proposal, each token priced (catch-up ignored: a bound)
+                cands[-1].append((props[t][0], draft_step))
+            if g is not None:
+                g.consume(out[t:t + 1])
         best = [0.0] * (n + 1)
         for t in range(n - 1, -1, -1):
-            ctx = seq[:len(prompt) + t]
-            _, cont = lookup(ctx, a.k)
-            m = agreed(cont, out[t:])
             options = [c(1, t) + best[t + 1]]
-            for kk in range(1, len(cont) + 1):
-                gained = min(min(m, kk) + 1, n - t)
-                options.append(c(kk + 1, t) + best[t + gained])
+            for cand, per_token in cands[t]:
+                m = agreed(cand, out[t:])
+                for kk in range(1, len(cand) + 1):
+                    options.append(c(kk + 1, t) + per_token * kk + best[t + min(min(m, kk) + 1, n - t)])
             best[t] = min(options)
-        plain = sum(c(1, t) for t in range(n))
-        ratio = plain / best[0]
-        ratios.append(ratio)
-        auto, t, spent = AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), None), 0, 0.0
-        while t < n:
-            d = auto.propose(seq[:len(prompt) + t], min(a.k, n - t - 1)).tokens
-            t, spent = t + agreed(d, out[t:]) + 1, spent + c(len(d) + 1, t)
-        replays.append(plain / spent)
-        print(f"{p['id']:18s} oracle n-gram speedup ceiling {ratio:.2f}x, auto replayed {replays[-1]:.2f}x, "
-              f"over {n} tokens")
+        return best[0]
+    g = grammar()
+    model = Recorded(props, len(prompt), 0.75) if props is not None else None
+    drafter = {"auto": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g),
+               "none": lambda: None, "ngram4": lambda: NgramDrafter(), "ngram16": lambda: NgramDrafter(),
+               "model4": lambda: model}[policy]()
+    if g is not None and drafter is not None and policy != "auto":
+        from localspec.drafters import GrammarDrafter
+
+        drafter = GrammarDrafter(g, drafter)  # as the engine wraps a fixed drafter under a grammar
+    k = 16 if policy in ("auto", "ngram16") else 4
+    t, spent, synced = 0, 0.0, 0  # synced: how far the draft model's cache holds the context
+    while t < n:
+        ctx = seq[:len(prompt) + t]
+        d = drafter.propose(ctx, min(k, n - t - 1)) if drafter is not None and t < n - 1 else Draft([])
+        if model is not None and d.tokens and (policy == "model4" or (policy == "auto" and _from_model(drafter))):
+            spent += draft_step * (len(d.tokens) + DRAFT_PREFILL_SHARE * max(len(ctx) - synced - 1, 0))
+            synced = len(ctx) + len(d.tokens) - 1
+        gained = agreed(d.tokens, out[t:]) + 1
+        if g is not None:
+            g.consume(out[t:t + gained])
+        t, spent = t + gained, spent + c(len(d.tokens) + 1, t)
+    return spent
+
+
+def _from_model(auto) -> bool:
+    return bool(auto.pending) and auto.pending[-1][2] is auto.model_stats and auto.since_model == 0
+
+
+def replay(a) -> None:
+    data = json.loads(Path(a.file).read_text())
+    h = data["costs"]
+    curves = {"host": Costs(tuple(h["sizes"]), tuple(h["depths"]), tuple(map(tuple, h["verify"])),
+                            tuple(h["draft"]) if h["draft"] else None, h["sample_row"])} | CURVES
+    target = None
+    if any(r.get("schema") for r in data["runs"]):
+        from localspec.model import Model, ModelConfig
+
+        target = Model(data["target"], ModelConfig(n_ctx=512), vocab_only=True)
+    policies = ["oracle", "auto", "none", "ngram4", "ngram16"] + (["model4"] if any("draft" in r for r in data["runs"])
+                                                                else [])
     gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
-    print(f"geometric mean: ceiling {gm(ratios):.2f}x, auto replayed {gm(replays):.2f}x; "
-          f"costs: " + ", ".join(f"verify({n}) {costs.verify_cost(n) * 1e3:.1f} ms" for n in (1, 2, 5, 17)))
-    print(json.dumps({"verify_ms": {n: round(costs.verify_cost(n) * 1e3, 1) for n in (1, 2, 3, 5, 9, 17, 33)}}))
+    for name in (list(curves) if a.costs == "all" else [a.costs]):
+        costs = curves[name]
+        print(f"\n## costs: {name} (verify 1/2/5/17: " +
+              "/".join(f"{costs.verify_cost(n, 256) * 1e3:.0f}" for n in (1, 2, 5, 17)) + " ms)")
+        print("| prompt | " + " | ".join(policies) + " | auto's share of the ceiling's gain |")
+        print("|---" * (len(policies) + 2) + "|")
+        ratios = {p: [] for p in policies}
+        for run in data["runs"]:
+            plain = replay_one(run, costs, "none", target)
+            row = {p: plain / replay_one(run, costs, p, target) for p in policies}
+            for p in policies:
+                ratios[p].append(row[p])
+            share = (row["auto"] - 1) / (row["oracle"] - 1) if row["oracle"] > 1.001 else 1.0
+            print(f"| {run['id']} | " + " | ".join(f"{row[p]:.2f}x" for p in policies) + f" | {share:.0%} |")
+        g = {p: gm(ratios[p]) for p in policies}
+        print("| **geomean** | " + " | ".join(f"**{g[p]:.2f}x**" for p in policies) +
+              f" | {(g['auto'] - 1) / max(g['oracle'] - 1, 1e-9):.0%} |")
+        worst = min(min(ratios["auto"][i] - max(ratios[p][i] for p in policies if p not in ("oracle", "auto"))
+                        for i in range(len(data["runs"]))), 9)
+        print(f"auto minus the best fixed drafter, worst prompt: {worst:+.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="plain outputs (and draft proposals) of a prompt set, with this host's costs")
+    r.add_argument("--pair")
+    r.add_argument("--target")
+    r.add_argument("--draft")
+    r.add_argument("--prompts", default="shipped", help="shipped, holdout, structured, or a JSONL file")
+    r.add_argument("--out", required=True)
+    r.add_argument("--max-tokens", type=int, default=256)
+    r.add_argument("--threads", type=int)
+    r.add_argument("--draft-proposals", action="store_true", help="record the draft model's proposals too")
+    p = sub.add_parser("replay", help="the ceiling, auto and the fixed drafters over recorded outputs")
+    p.add_argument("file")
+    p.add_argument("--costs", default="host", choices=["host", *CURVES, "all"])
+    a = ap.parse_args()
+    record(a) if a.cmd == "record" else replay(a)
 
 
 if __name__ == "__main__":
