@@ -173,7 +173,10 @@ def load_engine(load_kw: dict):
 @click.option("--chat", is_flag=True, help="PROMPT is a user message, rendered with the model's chat template.")
 @click.option("--system", help="System message for --chat.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, from_draft, finish_reason, stats).")
-def generate(prompt, chat, system, as_json, **kw):
+@click.option("--prediction", "prediction_file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="Text the output is expected to resemble (the file being edited): drafted from, verified like "
+                   "any draft, so the output is unchanged and only faster where it matches.")
+def generate(prompt, chat, system, as_json, prediction_file, **kw):
     """Generate a continuation of PROMPT ('-' or nothing reads it from stdin), streaming text to stdout.
 
     One stats line goes to stderr: tokens/s, acceptance, and whether the acceptance rule is lossless.
@@ -188,6 +191,8 @@ def generate(prompt, chat, system, as_json, **kw):
     if system is not None and not chat:
         raise click.UsageError("--system needs --chat (a system message only exists in a chat prompt)")
     load_kw, gen_kw = split_options(kw)
+    if prediction_file:
+        gen_kw["prediction"] = Path(prediction_file).read_text(encoding="utf-8")
     make_request(**{k: v for k, v in gen_kw.items() if v is not None})  # fail before loading models
     with load_engine(load_kw) as llm:
         if chat:

@@ -21,6 +21,7 @@ class Draft:
     tokens: list[int]
     q: list[Dist] | None = None
     forced: int = 0
+    predicted: int = 0  # how many tokens after the forced ones come from the request's prediction
 
 
 EMPTY = Draft([])
@@ -38,14 +39,50 @@ class NoDrafter:
         return EMPTY
 
 
+class Prediction:
+    """The text a request expects back (Predicted Outputs), as a lookup corpus of its own.
+
+    Where the output so far ends with tokens that occur in the prediction, the draft is what follows them
+    there; among equally long matches the one nearest after the last is taken, so the lookup stays aligned
+    through a prediction that repeats itself. Before any output, the draft is the prediction's start.
+    """
+
+    def __init__(self, tokens: Sequence[int], prompt_len: int, n_max: int = 8):
+        self.tokens, self.prompt_len, self.n_max = np.asarray(tokens, dtype=np.int32), prompt_len, n_max
+        self.cursor = 0  # where the last continuation was taken from
+
+    def lookup(self, context: Sequence[int], n: int) -> tuple[int, list[int]]:
+        """(size of the match, up to n tokens of the prediction that follow it), or (0, [])."""
+        pred = self.tokens
+        if len(context) <= self.prompt_len:  # nothing generated yet: the prediction from its start
+            self.cursor = 0
+            return self.n_max, pred[:n].tolist()
+        tail = np.asarray(context[-self.n_max:], dtype=np.int32)
+        ends = np.flatnonzero(pred == tail[-1])  # prediction positions holding the last output token
+        size = 1
+        while ends.size and size < len(tail):
+            ok = ends[ends >= size]
+            longer = ok[pred[ok - size] == tail[-1 - size]]
+            if not longer.size:
+                break
+            ends, size = longer, size + 1
+        if not ends.size:
+            return 0, []
+        after = ends[ends + 1 >= self.cursor]
+        end = int(after[0] if after.size else ends[-1])
+        self.cursor = end + 1
+        return size, pred[end + 1:end + 1 + n].tolist()
+
+
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the context's last n-gram, propose what followed.
 
-    Tries n-gram sizes from n_max down to n_min; no model, so drafting costs microseconds.
+    Tries n-gram sizes from n_max down to n_min; no model, so drafting costs microseconds. With a request's
+    prediction, that is searched first.
     """
 
-    def __init__(self, n_min: int = 2, n_max: int = 4):
-        self.n_min, self.n_max = n_min, n_max
+    def __init__(self, n_min: int = 2, n_max: int = 4, prediction: Prediction | None = None):
+        self.n_min, self.n_max, self.prediction = n_min, n_max, prediction
 
     def lookup(self, context: Sequence[int], n: int) -> tuple[int, list[int]]:
         """(size of the n-gram matched, up to n tokens that followed it), or (0, []) when nothing matches."""
@@ -65,6 +102,10 @@ class NgramDrafter:
         return size, ctx[start:start + n].tolist()
 
     def propose(self, context: Sequence[int], n: int) -> Draft:
+        if self.prediction is not None:
+            size, cont = self.prediction.lookup(context, n)
+            if cont and size >= self.n_min:
+                return Draft(cont, predicted=len(cont))
         return Draft(self.lookup(context, n)[1])
 
 
@@ -146,7 +187,7 @@ def constrained(grammar, forced: list[int], rest: Draft) -> Draft:
     end = grammar.first_end(tokens)
     ok = min(grammar.validate(tokens[:end + 1]), end + 1)
     q = None if rest.q is None else ([Dist.point(t) for t in forced] + rest.q)[:ok]
-    return Draft(tokens[:ok], q, forced=min(len(forced), ok))
+    return Draft(tokens[:ok], q, forced=min(len(forced), ok), predicted=min(rest.predicted, max(ok - len(forced), 0)))
 
 
 class GrammarDrafter:
@@ -250,8 +291,8 @@ class AutoDrafter:
     MARGIN = 1.05
 
     def __init__(self, costs, ngram: NgramDrafter, model: ModelDrafter | None, *, k_max: int = 33,
-                 sample_rows: bool = False, grammar=None):
-        self.costs, self.ngram, self.model, self.grammar = costs, ngram, model, grammar
+                 sample_rows: bool = False, grammar=None, prediction: Prediction | None = None):
+        self.costs, self.ngram, self.model, self.grammar, self.prediction = costs, ngram, model, grammar, prediction
         # Seconds to turn each verified row into a sampling distribution: nothing at temperature 0.
         self.row_cost = costs.sample_row if sample_rows else 0.0
         # n-gram guesses are judged by the size of the match behind them (longer predicts better) and by the
@@ -259,14 +300,16 @@ class AutoDrafter:
         # bursty: once the model copies a span it tends to go on, and a miss tends to start a new stretch.
         self.ngram_stats = {(size, run): AcceptanceStats(k_max, prior)
                             for size, p0 in ((1, 0.1), (2, 0.25), (3, 0.35), (4, 0.45), (6, 0.55))
-                            for run, prior in ((0, p0), (1, 0.6), (2, 0.85), (3, 0.9))}
+                            for run, prior in ((0, p0), (1, 0.6), (2, 0.85))}
         self.run = 0
         self.model_stats = AcceptanceStats(k_max, 0.7)
         self.forced_stats = AcceptanceStats(k_max, 0.95)
+        # a prediction is the client's own guess at the output: aligned with it, the output tends to follow it
+        self.prediction_stats = {run: AcceptanceStats(k_max, prior) for run, prior in ((0, 0.5), (1, 0.7), (2, 0.9))}
         self.probe_every, self.since_model = 64, 0
         # guesses not settled yet: (position, tokens, whose stats, how many leading ones are counted already)
         self.pending: list[tuple[int, list[int], AcceptanceStats, int]] = []
-        self._ngram_set = set(self.ngram_stats.values())
+        self._ngram_set = set(self.ngram_stats.values()) | set(self.prediction_stats.values())
 
     def _cost(self, depth: int):
         return lambda n: self.costs.verify_cost(n, depth)
@@ -287,7 +330,8 @@ class AutoDrafter:
             known = context[pos:pos + len(tokens)]
             m = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), len(known))
             if stats in self._ngram_set and pos + len(known) == len(context):
-                run = m == len(known) and m > 0, len(known)  # the latest guess, against the newest tokens
+                # the latest guesses (n-gram, prediction) against the newest tokens: a copy run goes on if any held
+                run = (m == len(known) and m > 0) or (run is not None and run[0]), len(known)
             if m < len(known) or len(known) == len(tokens):
                 stats.update(min(m + 1, len(tokens)), m, counted)
             else:
@@ -299,7 +343,7 @@ class AutoDrafter:
 
     @property
     def _run_level(self) -> int:
-        return 0 if self.run == 0 else 1 if self.run < 4 else 2 if self.run < 12 else 3
+        return 0 if self.run == 0 else 1 if self.run < 4 else 2
 
     def propose(self, context: Sequence[int], n: int) -> Draft:
         self._learn(context)
@@ -317,7 +361,7 @@ class AutoDrafter:
             if speed > best[2]:
                 best = ("forced", f, speed)
         ctx = [*context, *forced] if f else context
-        cont = []
+        cont, pcont = [], []
         if n > f:
             size, cont = self.ngram.lookup(ctx, n - f)
             if cont:
@@ -326,7 +370,15 @@ class AutoDrafter:
                 k, speed = _best(np.concatenate([rates, stats.rates(len(cont))]), cost, 0.0, self.row_cost, start=f)
                 if speed > best[2]:
                     best = ("ngram", k, speed)
-            else:
+            if self.prediction is not None:
+                _, pcont = self.prediction.lookup(ctx, n - f)
+            if pcont:
+                stats = self.prediction_stats[self._run_level]
+                self.pending.append((len(ctx), pcont, stats, 0))
+                k, speed = _best(np.concatenate([rates, stats.rates(len(pcont))]), cost, 0.0, self.row_cost, start=f)
+                if speed > best[2]:
+                    best = ("prediction", k, speed)
+            if not cont and not pcont:
                 self.run = 0
         if (n > f and self.model is not None and self.costs.draft is not None and self.model.fits(ctx)
                 and self._model_can_win(depth, n)):
@@ -344,6 +396,8 @@ class AutoDrafter:
         rest = EMPTY
         if name == "ngram":
             rest = Draft(cont[:k - f])
+        elif name == "prediction":
+            rest = Draft(pcont[:k - f], predicted=k - f)
         elif name == "model":
             self.since_model = 0
             if self.grammar is not None:

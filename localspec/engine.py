@@ -21,7 +21,7 @@ import numpy as np
 from . import acceptance, defaults
 from .acceptance import Lazy
 from .drafters import (EMPTY, AutoDrafter, Draft, Drafter, GrammarDrafter, HybridDrafter, ModelDrafter, NgramDrafter,
-                       NoDrafter)
+                       NoDrafter, Prediction)
 from .errors import LocalspecError
 from .grammar import Grammar, Unconstrained, compile_spec
 from .model import Cancelled, Model
@@ -51,12 +51,16 @@ class Round:
     verify_s: float
     forced: int = 0  # leading draft tokens a grammar forced, and how many of them were accepted
     accepted_forced: int = 0
+    predicted: int = 0  # draft tokens from the request's prediction, and how many of them were accepted
+    accepted_predicted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Token:
     token: int
     from_draft: bool
+    logprob: float | None = None  # the target's log-probability of it, and of its top alternatives (logprobs=N)
+    top: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,16 @@ def accept(rule: str, rows: np.ndarray, draft: Draft, params: SamplingParams, hi
     return acceptance.accept_threshold(p1, d, tau, choice)
 
 
+def logprobs(row: np.ndarray, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The target's own log-probability of `token` and its n most likely tokens: a log-softmax of the raw
+    logits, before penalties, temperature and truncation (as llama-cpp-python reports them)."""
+    m = float(row.max())
+    lse = m + float(np.log(np.exp(row - m).sum(dtype=np.float64)))
+    top = np.argpartition(row, -n)[-n:] if n else np.empty(0, dtype=np.int64)
+    top = top[np.lexsort((top, -row[top]))]  # most likely first, ties by lower id
+    return float(row[token]) - lse, tuple((int(t), float(row[t]) - lse) for t in top)
+
+
 def rewind(target: Model, n: int) -> None:
     """Cut the target's cache back to n tokens (pending plus the accepted draft)."""
     target.truncate(n)
@@ -115,7 +129,7 @@ def rewind(target: Model, n: int) -> None:
 def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt: Sequence[int], *, max_tokens: int,
               k: int, rule: str, params: SamplingParams, seed: int, tau: float = 0.0, prefill_draft: bool = True,
               lock=contextlib.nullcontext(), cancel: Callable[[], bool] | None = None,
-              grammar=Unconstrained()) -> Iterator:
+              grammar=Unconstrained(), top_logprobs: int | None = None) -> Iterator:
     """The decoding loop. Yields Prefill, then per round a Round and its Tokens, then one Finish.
 
     draft_model is the drafter's model, if any: prefilled with the prompt (unless prefill_draft is False,
@@ -125,7 +139,7 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
     a round that finds the target changed by someone else since (another stream on the same engine) first
     puts the target's cache back to its own context. `cancel` is checked between prefill chunks and rounds.
     `grammar` masks each verified row by its state at that position and follows what is emitted; the round
-    after which it is complete is the last.
+    after which it is complete is the last. With `top_logprobs` (0..20) each Token carries its logprobs.
 
     Invariant at the top of each round: target.tokens == context[:-1]; context[-1] is `pending`, the
     newest token, not yet evaluated by the target.
@@ -162,12 +176,16 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
                 out = [*draft.tokens[:n_acc], nxt]
                 end = next((i for i, t in enumerate(out) if target.is_eog(t)), None)  # never emitted
                 complete = grammar.advance(out[:end], draft.tokens)
+                # row i predicted out[i]; the rows are llama.cpp's buffer, read before the next decode
+                lps = ([logprobs(rows[i], t, top_logprobs) for i, t in enumerate(out[:end])]
+                       if top_logprobs is not None else [(None, None)] * len(out[:end]))
             n_acc = n_acc if end is None else min(n_acc, end)
-            yield Round(len(draft.tokens), n_acc, t1 - t0, t2 - t1, draft.forced, min(n_acc, draft.forced))
+            yield Round(len(draft.tokens), n_acc, t1 - t0, t2 - t1, draft.forced, min(n_acc, draft.forced),
+                        draft.predicted, min(max(n_acc - draft.forced, 0), draft.predicted))
             for i, tok in enumerate(out[:end]):
                 context.append(tok)
                 produced += 1
-                yield Token(tok, i < n_acc)
+                yield Token(tok, i < n_acc, *lps[i])
             if end is not None or complete:
                 yield Finish("stop")
                 return
@@ -185,11 +203,14 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
 # ---- events and stats for users ----
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One generated token: its id, the text it makes printable now, and whether the draft proposed it."""
+    """One generated token: its id, the text it makes printable now, whether the draft proposed it, and (when
+    asked for with logprobs=N) the target's log-probability of it and its N most likely tokens."""
 
     token: int
     text: str
     from_draft: bool
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -216,6 +237,8 @@ class Stats:
     verify_s: float
     drafted_forced: int  # draft tokens a grammar forced (part of drafted), and how many were accepted
     accepted_forced: int
+    drafted_prediction: int  # draft tokens taken from the request's prediction, and how many were accepted
+    accepted_prediction: int
     seed: int  # the request's seed (drawn at random when none was given): pass it again to reproduce a run
     notes: tuple[str, ...] = ()  # what the request asked for but did not get, and why
 
@@ -267,7 +290,7 @@ class Stream:
 
     def __iter__(self) -> Iterator[Event]:
         pre, rounds, drafting, drafted, acc, at, t_d, t_v, n = None, 0, 0, 0, 0, [], 0.0, 0.0, 0
-        forced = [0, 0]
+        forced, predicted = [0, 0], [0, 0]
         reason, held = "stop", None
         t_gen = time.perf_counter()
         try:
@@ -277,7 +300,7 @@ class Stream:
                         yield held
                         held = None
                     n += 1
-                    ev = Event(f.token, self._text.push(self._piece(f.token)), f.from_draft)
+                    ev = Event(f.token, self._text.push(self._piece(f.token)), f.from_draft, f.logprob, f.top)
                     if self._text.stopped:
                         reason = "stop"
                         yield ev
@@ -296,6 +319,8 @@ class Stream:
                         acc += f.accepted
                         forced[0] += f.forced
                         forced[1] += f.accepted_forced
+                        predicted[0] += f.predicted
+                        predicted[1] += f.accepted_predicted
                         at.extend([0] * (f.drafted - len(at)))
                         for i in range(f.accepted):
                             at[i] += 1
@@ -317,6 +342,7 @@ class Stream:
                                generated=n, gen_s=time.perf_counter() - t_gen, rounds=rounds, drafted=drafted,
                                accepted=acc, accepted_at=tuple(at), draft_s=t_d, verify_s=t_v,
                                drafted_forced=forced[0], accepted_forced=forced[1],
+                               drafted_prediction=predicted[0], accepted_prediction=predicted[1],
                                drafting_rounds=drafting, **self._meta)
 
 
@@ -327,6 +353,8 @@ class Result:
     from_draft: list[bool]
     finish_reason: str
     stats: Stats
+    # with logprobs=N: per token, (its log-probability, ((token id, log-probability) of the top N, ...))
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
     def to_dict(self) -> dict:
         return dict(text=self.text, tokens=self.tokens, from_draft=self.from_draft,
@@ -353,9 +381,11 @@ class Request:
     grammar: str | None = None
     regex: str | None = None
     json_object: bool = False
+    logprobs: int | None = None  # 0..20: each token's log-probability and this many top alternatives
+    prediction: str | tuple[int, ...] | None = None  # text (or token ids) the output is expected to resemble
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "seed", "k"):
+        for name in ("max_tokens", "seed", "k", "logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise RequestError(f"{name} must be an integer, got {v!r}")
@@ -363,6 +393,11 @@ class Request:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError(f"seed must be a non-negative integer below 2**63, got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError(f"logprobs (top alternatives per token) must be in 0..20, got {self.logprobs}")
+        if self.prediction is not None and not (isinstance(self.prediction, str) or all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.prediction)):
+            raise RequestError("prediction must be text or a list of token ids")
         if self.k is not None and self.k < 1:
             raise RequestError(f"k (draft tokens per round) must be at least 1, got {self.k}")
         if self.drafter is not None and self.drafter not in defaults.DRAFTERS:
@@ -397,6 +432,8 @@ def make_request(**kw) -> Request:
         kw["stop"] = tuple(kw["stop"])
     else:
         kw.pop("stop", None)
+    if isinstance(kw.get("prediction"), list):
+        kw["prediction"] = tuple(kw["prediction"])
     unknown = sorted(set(kw) - {f for f in Request.__dataclass_fields__})
     if unknown:
         raise RequestError(f"unknown generation option {unknown[0]!r}")
@@ -489,16 +526,33 @@ class Engine:
                 self._costs = load_or_measure(self.target, self.draft, home() / "calibration", force=force)
         return self._costs
 
+    def _prediction(self, req: Request, tokens: list[int], notes: list[str]) -> Prediction | None:
+        if req.prediction is None:
+            return None
+        pred = (self.tokenize(req.prediction, add_special=False, parse_special=False)
+                if isinstance(req.prediction, str) else list(req.prediction))
+        if any(not 0 <= t < self.target.n_vocab for t in pred):
+            raise RequestError(f"prediction holds token ids outside the vocabulary (0..{self.target.n_vocab - 1})")
+        room = self.target.n_ctx - len(tokens)
+        if len(pred) > room:  # the output cannot be longer than the room left: neither need the prediction be
+            notes.append(f"the prediction ({len(pred)} tokens) is longer than the room left in n_ctx; "
+                         f"its first {max(room, 0)} tokens are used")
+            pred = pred[:max(room, 0)]
+        if req.drafter in ("none", "model"):
+            notes.append(f"drafter {req.drafter!r} does not draft from a prediction; use 'auto', 'ngram' or 'hybrid'")
+        return Prediction(pred, len(tokens)) if pred else None
+
     def _drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str],
                  grammar) -> tuple[str, Drafter, bool]:
         """(name, drafter, whether to prefill the draft model with the prompt)."""
-        name, drafter, prefill_draft = self._free_drafter(req, seed, tokens, notes, grammar)
+        name, drafter, prefill_draft = self._free_drafter(req, seed, tokens, notes, grammar,
+                                                          self._prediction(req, tokens, notes))
         if grammar is not None and name not in ("none", "auto"):  # auto drafts the forced tokens itself
             drafter = GrammarDrafter(grammar, drafter)
         return name, drafter, prefill_draft
 
-    def _free_drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str],
-                      grammar) -> tuple[str, Drafter, bool]:
+    def _free_drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str], grammar,
+                      prediction: Prediction | None) -> tuple[str, Drafter, bool]:
         name = req.drafter or defaults.DRAFTER
         if name in ("model", "hybrid") and self.draft is None:
             raise RequestError(f"drafter {name!r} needs a draft model: load one (draft=PATH, --draft) "
@@ -506,7 +560,7 @@ class Engine:
         if name == "none":
             return name, NoDrafter(), False
         if name == "ngram":
-            return name, NgramDrafter(), False
+            return name, NgramDrafter(prediction=prediction), False
         model = (ModelDrafter(self.draft, req.sampling, seed=seed, p_min=req.p_min, prompt_len=len(tokens),
                               target_vocab=self.target.n_vocab, grammar=grammar) if self.draft is not None else None)
         fits = model is not None and model.fits(tokens)
@@ -521,10 +575,10 @@ class Engine:
         if name == "auto":
             # auto may never call the draft model (on a CPU it rarely pays): it catches up lazily if it does.
             return name, AutoDrafter(self.calibration(), NgramDrafter(n_min=1, n_max=8), model if fits else None,
-                                     sample_rows=not req.sampling.greedy, grammar=grammar), False
+                                     sample_rows=not req.sampling.greedy, grammar=grammar, prediction=prediction), False
         if name == "model":
             return name, model, True
-        return name, HybridDrafter(NgramDrafter(), model), fits
+        return name, HybridDrafter(NgramDrafter(prediction=prediction), model), fits
 
     # -- generation --
     def stream(self, prompt: str | Sequence[int], *, cancel: Callable[[], bool] | None = None, **options) -> Stream:
@@ -533,8 +587,10 @@ class Engine:
         prompt: text (special tokens such as <|im_start|> are recognised) or token ids.
         options: max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, frequency_penalty,
         presence_penalty, penalty_last_n, seed, drafter ('auto', 'model', 'ngram', 'hybrid', 'none'), accept
-        ('rejection', 'greedy', 'threshold'), k, p_min, threshold, stop; and at most one constraint on the
-        output: json_schema (a dict or JSON text), grammar (Lark or llama.cpp GBNF), regex, json_object=True.
+        ('rejection', 'greedy', 'threshold'), k, p_min, threshold, stop; at most one constraint on the
+        output: json_schema (a dict or JSON text), grammar (Lark or llama.cpp GBNF), regex, json_object=True;
+        prediction (text or token ids the output is expected to resemble: drafted from, never trusted);
+        logprobs=N (0..20: each Event's logprob and top_logprobs).
         cancel: a callable checked between prefill chunks and rounds; when it returns True the stream ends
         with finish_reason 'cancelled'.
         """
@@ -553,7 +609,8 @@ class Engine:
         draft_model = self.draft if name in ("model", "hybrid", "auto") else None
         facts = speculate(self.target, draft_model, drafter, tokens, max_tokens=req.max_tokens, k=k, rule=req.accept,
                           params=req.sampling, seed=seed, tau=req.threshold, prefill_draft=prefill_draft,
-                          lock=self._lock, cancel=cancel, grammar=grammar or Unconstrained())
+                          lock=self._lock, cancel=cancel, grammar=grammar or Unconstrained(),
+                          top_logprobs=req.logprobs)
         return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
                       prompt_tokens=len(tokens), seed=seed, notes=notes)
 
@@ -562,26 +619,34 @@ class Engine:
         s = self.stream(prompt, **options)
         events = list(s)
         return Result("".join(e.text for e in events), [e.token for e in events], [e.from_draft for e in events],
-                      s.finish_reason, s.stats)
+                      s.finish_reason, s.stats,
+                      [(e.logprob, e.top_logprobs) for e in events] if options.get("logprobs") is not None else None)
 
     def create_chat_completion(self, messages: Sequence[dict], *, stream: bool = False, tools=None, tool_choice=None,
                                parallel_tool_calls: bool | None = None, response_format: dict | None = None,
-                               **options):
+                               logprobs: bool | None = None, top_logprobs: int | None = None,
+                               prediction: dict | None = None, stream_options: dict | None = None, **options):
         """OpenAI-shaped chat completion dicts, as llama-cpp-python's Llama.create_chat_completion returns.
 
-        response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}.
-        tools / tool_choice / parallel_tool_calls: OpenAI's; calls come back in message.tool_calls with
-        finish_reason "tool_calls" (see README, Tool calls).
+        OpenAI's own fields: response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+        {"name", "schema"}}); tools / tool_choice / parallel_tool_calls (calls come back in message.tool_calls
+        with finish_reason "tool_calls"); logprobs / top_logprobs; prediction ({"type": "content", "content":
+        TEXT}); stream_options ({"include_usage": true}). Other options as for stream().
         """
-        from .openai_request import structured
+        from .openai_request import extras, structured
         from .openai_shapes import chat_chunks, chat_completion
         from .tools import for_template
 
         extra, _, tools, fmt = structured(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                                           response_format=response_format, template=self.target.chat_template(),
                                           token_of=self.single_token)
-        s = self.stream(self.chat_tokens(for_template(messages), tools=tools), **(options | extra))
-        return chat_chunks(self.name, s, fmt, tools) if stream else chat_completion(self.name, s, fmt, tools)
+        fields = {k: v for k, v in dict(logprobs=logprobs, top_logprobs=top_logprobs, prediction=prediction,
+                                        stream_options=stream_options).items() if v is not None}
+        more, _, include_usage = extras(fields, chat=True)
+        s = self.stream(self.chat_tokens(for_template(messages), tools=tools), **(options | extra | more))
+        if stream:
+            return chat_chunks(self.name, s, fmt, tools, self.target.piece, include_usage)
+        return chat_completion(self.name, s, fmt, tools, self.target.piece)
 
     def close(self) -> None:
         for m in (self.target, self.draft):

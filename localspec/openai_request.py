@@ -30,16 +30,18 @@ _OPTIONS = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_to
 # under the request's "localspec" key
 _SPECULATION = {"drafter": str, "k": int, "accept": str, "p_min": float, "threshold": float}
 # sent by OpenAI clients and changing nothing here
-_IGNORED = {"model", "stream", "stream_options", "user", "store", "metadata", "service_tier", "localspec"}
+_IGNORED = {"model", "stream", "user", "store", "metadata", "service_tier", "localspec"}
 # honoured only at their no-op value (null always is one): anything else would be silently wrong here
-_NOOP = {"n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
-         "suffix": ("",), "logit_bias": ({},), "functions": ([],), "function_call": ("none", "auto"),
-         "modalities": (["text"],), "prediction": (), "audio": (), "reasoning_effort": (), "web_search_options": ()}
+_NOOP = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "functions": ([],),
+         "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "reasoning_effort": (),
+         "web_search_options": ()}
 _STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
+_EXTRAS = {"logprobs", "top_logprobs", "prediction", "stream_options"}  # parsed by extras()
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "functions", "function_call", "modalities",
-              "prediction", "audio", "reasoning_effort", "web_search_options"} | _STRUCTURED
+              "audio", "reasoning_effort", "web_search_options"} | _STRUCTURED
 _COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
-_KNOWN = _OPTIONS.keys() | _IGNORED | _NOOP.keys() | _CHAT_ONLY | _COMPLETION_ONLY
+_KNOWN = _OPTIONS.keys() | _IGNORED | _NOOP.keys() | _CHAT_ONLY | _COMPLETION_ONLY | _EXTRAS
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 _KINDS = {int: "an integer in the 64-bit range", float: "a finite number", str: "a string",
           "stop": "a string or an array of strings"}
 MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's limits; each stop string is searched for after every token
@@ -54,6 +56,7 @@ class ChatRequest:
     stream: bool
     tools: list[dict] | None = None  # offered to the model through its chat template
     tool_format: ToolFormat | None = None  # set when the output is to be parsed for tool calls
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
 
 
 @dataclass
@@ -62,6 +65,7 @@ class CompletionRequest:
     options: dict
     names: dict
     stream: bool
+    include_usage: bool = False
 
 
 def _typed(param: str, value, kind):
@@ -118,6 +122,51 @@ def parse_options(body: dict, *, chat: bool, defaults: dict) -> tuple[dict, dict
         raise ApiError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters each "
                        f"(OpenAI's limits), got {len(stop)} of up to {max(map(len, stop), default=0)}", param="stop")
     return defaults | options, names  # the server's defaults (the pair's, serve's flags); the request's fields win
+
+
+def extras(body: dict, *, chat: bool) -> tuple[dict, dict, bool]:
+    """logprobs / top_logprobs, prediction and stream_options -> (engine options, option -> field,
+    include_usage)."""
+    options, names = {}, {}
+    if chat:
+        lp, top = body.get("logprobs"), body.get("top_logprobs")
+        if lp is not None and not isinstance(lp, bool):
+            raise ApiError("logprobs must be true or false", param="logprobs")
+        if top is not None:
+            if type(top) is not int or not 0 <= top <= MAX_LOGPROBS:
+                raise ApiError(f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {json.dumps(top)[:40]}",
+                               param="top_logprobs")
+            if not lp:
+                raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if lp:
+            options["logprobs"], names["logprobs"] = top or 0, "top_logprobs" if top is not None else "logprobs"
+        pred = body.get("prediction")
+        if pred is not None:
+            content = pred.get("content") if isinstance(pred, dict) and pred.get("type") == "content" else None
+            if isinstance(content, list) and all(isinstance(c, dict) and c.get("type") == "text"
+                                                 and isinstance(c.get("text"), str) for c in content):
+                content = "".join(c["text"] for c in content)
+            if not isinstance(content, str):
+                raise ApiError('prediction must be {"type": "content", "content": TEXT or an array of text parts}',
+                               param="prediction")
+            options["prediction"], names["prediction"] = content, "prediction"
+    else:
+        lp = body.get("logprobs")
+        if lp is not None:
+            if type(lp) is not int or not 0 <= lp <= MAX_LOGPROBS:
+                raise ApiError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (top alternatives per token), "
+                               f"got {json.dumps(lp)[:40]}", param="logprobs")
+            options["logprobs"], names["logprobs"] = lp, "logprobs"
+        pred = body.get("prediction")
+        if pred is not None:
+            if not isinstance(pred, str):
+                raise ApiError("prediction must be the text the completion is expected to resemble", param="prediction")
+            options["prediction"], names["prediction"] = pred, "prediction"
+    so = body.get("stream_options")
+    if so is not None and (not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool)
+                           or set(so) - {"include_usage", "continuous_usage_stats"}):
+        raise ApiError('stream_options must be {"include_usage": true or false}', param="stream_options")
+    return options, names, bool(so and so.get("include_usage"))
 
 
 def check_options(options: dict, names: dict) -> None:
@@ -191,18 +240,21 @@ def parse_chat(body: dict, *, defaults: dict, n_ctx: int, template: str | None, 
     options, names = parse_options(body, chat=True, defaults=defaults)
     extra, extra_names, tools, fmt = structured(**{k: body.get(k) for k in _STRUCTURED}, template=template,
                                                 token_of=token_of)
-    options, names = options | extra, names | extra_names
+    more, more_names, include_usage = extras(body, chat=True)
+    options, names = options | extra | more, names | extra_names | more_names
     check_options(options, names)
     options.setdefault("max_tokens", n_ctx)  # OpenAI: until the context is full
-    return ChatRequest(messages, options, names, bool(body.get("stream")), tools, fmt)
+    return ChatRequest(messages, options, names, bool(body.get("stream")), tools, fmt, include_usage)
 
 
 def parse_completion(body: dict, *, defaults: dict) -> CompletionRequest:
     prompt = parse_prompt(body.get("prompt"))
     options, names = parse_options(body, chat=False, defaults=defaults)
+    more, more_names, include_usage = extras(body, chat=False)
+    options, names = options | more, names | more_names
     check_options(options, names)
     options.setdefault("max_tokens", 16)  # OpenAI's default for /v1/completions
-    return CompletionRequest(prompt, options, names, bool(body.get("stream")))
+    return CompletionRequest(prompt, options, names, bool(body.get("stream")), include_usage)
 
 
 def _text(content, p: str, *, optional: bool = False) -> str:

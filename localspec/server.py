@@ -179,8 +179,7 @@ class Worker:
         events = iter(stream)
         try:
             for ev in events:
-                if ev.text:
-                    job.put(("text", ev.text))
+                job.put(("event", ev))
         finally:
             events.close()  # runs the loop's cleanup now: both KV caches match their token lists
         log.info("%s%s: %s", job.kind, " (cancelled)" if job.cancelled.is_set() else "", stream.stats.line())
@@ -313,12 +312,14 @@ class App:
         llm = self.engine
         req = parse_chat(body, defaults=self.defaults, n_ctx=llm.target.n_ctx, template=llm.target.chat_template(),
                          token_of=llm.single_token)
-        return await self._run(request, Job("chat", req), Chat(llm.name, req.tool_format, req.tools), req.stream)
+        shape = Chat(llm.name, req.tool_format, req.tools, piece=llm.target.piece, include_usage=req.include_usage)
+        return await self._run(request, Job("chat", req), shape, req.stream)
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         req = parse_completion(body, defaults=self.defaults)
-        return await self._run(request, Job("completion", req), Completion(self.engine.name), req.stream)
+        shape = Completion(self.engine.name, piece=self.engine.target.piece, include_usage=req.include_usage)
+        return await self._run(request, Job("completion", req), shape, req.stream)
 
     async def _run(self, request: Request, job: Job, shape, stream: bool) -> Response:
         self.worker.submit(job)
@@ -334,13 +335,13 @@ class App:
             if stream:
                 handed_over = True
                 return _EventStream(self._events(job, gone, shape))
-            texts = []
+            events = []
             while (item := await job.next(gone)) is not None:
                 what, value = item
-                if what == "text":
-                    texts.append(value)
+                if what == "event":
+                    events.append(value)
                 elif what == "end":
-                    return JSONResponse(shape.response("".join(texts), value))
+                    return JSONResponse(shape.response(events, value))
                 else:
                     raise value
             return Response(status_code=499)
@@ -355,7 +356,7 @@ class App:
                 yield _sse(c)
             while (item := await job.next(gone)) is not None:
                 what, value = item
-                if what == "text":
+                if what == "event":
                     for c in shape.chunks(value):
                         yield _sse(c)
                     continue

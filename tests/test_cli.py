@@ -167,3 +167,15 @@ def test_bench_prompt_sets_are_well_formed(path):
     assert {r["kind"] for r in rows} == {"generate", "edit", "explain", "extract", "chat"}
     for r in rows:
         assert r["messages"][-1]["role"] == "user" and all(m["content"] for m in r["messages"])
+
+
+def test_generate_with_a_prediction_file(smol_path, tmp_path):
+    plain = localspec("generate", "1, 2, 3, 4,", "--target", smol_path, "--json", "--temperature", "0",
+                      "--max-tokens", "16", "--drafter", "none")
+    text = json.loads(plain.stdout)["text"]
+    (tmp_path / "pred.txt").write_text(text)
+    r = localspec("generate", "1, 2, 3, 4,", "--target", smol_path, "--json", "--temperature", "0",
+                  "--max-tokens", "16", "--drafter", "ngram", "--prediction", tmp_path / "pred.txt")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["text"] == text and out["stats"]["accepted_prediction"] > 0

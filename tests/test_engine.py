@@ -177,3 +177,42 @@ def test_exact_mode_probes_the_machine_and_refuses_what_it_cannot_keep(smol_path
     with pytest.raises(ModelError, match=r"0\.43 with flash attention off, 0\.44 with flash attention on.*"
                                          r"GGML_LLAMAFILE=OFF"):
         cal.exact_flash_attn(smol_path, cfg, tmp_path, force=True)
+
+
+def test_logprobs_are_the_targets_log_softmax(smol_engine):
+    prompt = smol_engine.chat_tokens(MESSAGES)
+    r = smol_engine.generate(prompt, max_tokens=6, temperature=0, drafter="none", logprobs=3)
+    smol_engine.target.truncate(0)
+    row = np.array(smol_engine.target.sync(prompt, logits=True)[1][0], dtype=np.float64)
+    ls = row - row.max() - np.log(np.exp(row - row.max()).sum())
+    lp, top = r.logprobs[0]
+    assert abs(lp - ls[r.tokens[0]]) < 1e-5 and [t for t, _ in top] == list(np.argsort(-ls)[:3])
+    assert all(len(t) == 3 for _, t in r.logprobs) and smol_engine.generate(prompt, max_tokens=2).logprobs is None
+    with pytest.raises(RequestError, match="logprobs"):
+        smol_engine.generate(prompt, max_tokens=2, logprobs=21)
+
+
+def test_a_prediction_drafts_but_never_changes_the_output(smol_engine):
+    """Predicted Outputs: exact mode, T = 0, the same tokens with and without a prediction."""
+    prompt = smol_engine.chat_tokens(MESSAGES)
+    plain = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter="none")
+    right = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter="auto", prediction=plain.text)
+    assert right.tokens == plain.tokens
+    s = right.stats
+    assert s.drafted_prediction > 0 and 0 < s.accepted_prediction <= s.drafted_prediction
+    wrong = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter="ngram",
+                                 prediction="def fibonacci(n):\n    return 42  # not at all what it writes\n" * 3)
+    assert wrong.tokens == plain.tokens
+    ids = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter="ngram", prediction=plain.tokens)
+    assert ids.tokens == plain.tokens and ids.stats.accepted_prediction > 0
+    note = smol_engine.generate(prompt, max_tokens=4, temperature=0, drafter="none", prediction="x")
+    assert any("does not draft from a prediction" in n for n in note.stats.notes)
+    with pytest.raises(RequestError, match="prediction"):
+        smol_engine.generate(prompt, max_tokens=4, prediction=[1.5])
+
+
+def test_a_prediction_longer_than_the_context_is_clamped_with_a_note(smol_path):
+    with localspec.load(target=smol_path, n_ctx=256) as llm:
+        prompt = llm.chat_tokens(MESSAGES)
+        r = llm.generate(prompt, max_tokens=8, temperature=0, drafter="ngram", prediction="word " * 400)
+        assert r.stats.generated == 8 and any("prediction" in n and "first" in n for n in r.stats.notes)

@@ -145,3 +145,14 @@ def test_text_stream_holds_possible_stop_prefix():
 def test_rules_agree_at_temperature_zero_with_fakes(rule):
     out = tokens_of(run(counting(), Scripted([[1, 2, 7, 4]] * 10), [0], rule=rule, max_tokens=10, tau=0.9))
     assert out == list(range(1, 10)) + [0]
+
+
+def test_prediction_lookup_follows_the_output_through_repeats():
+    from localspec.drafters import Prediction
+
+    pred = [1, 2, 3, 9, 1, 2, 3, 7, 8]
+    p = Prediction(pred, prompt_len=2)
+    assert p.lookup([50, 51], 3) == (8, [1, 2, 3])  # nothing generated yet: the prediction's start
+    assert p.lookup([50, 51, 1, 2, 3], 2)[1] == [9, 1]  # nearest match after where it stood
+    assert p.lookup([50, 51, 1, 2, 3, 9, 1, 2, 3], 2)[1] == [7, 8]  # the second occurrence, not the first
+    assert p.lookup([50, 51, 4], 3) == (0, [])

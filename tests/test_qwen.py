@@ -101,3 +101,17 @@ def test_exact_constrained_speculation_equals_constrained_plain(exact_pair, draf
         assert spec.tokens == plain.tokens, (p["id"], drafter)
         if drafter in ("ngram", "hybrid"):  # they always draft what the grammar forces; auto when it pays
             assert spec.stats.accepted_forced > 0, (p["id"], drafter)
+
+
+def test_exact_logprobs_of_a_speculative_run_equal_a_plain_runs(exact_pair):
+    """The chosen token's and the top 5 log-probabilities, every position, every shipped prompt."""
+    for messages in (json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines()):
+        prompt = exact_pair.chat_tokens(messages)
+        plain = exact_pair.generate(prompt, max_tokens=48, temperature=0, drafter="none", logprobs=5)
+        spec = exact_pair.generate(prompt, max_tokens=48, temperature=0, drafter="hybrid", k=4, p_min=0.0,
+                                   logprobs=5)
+        assert spec.tokens == plain.tokens and spec.stats.accepted > 0
+        for (lp_a, top_a), (lp_b, top_b) in zip(plain.logprobs, spec.logprobs):
+            assert abs(lp_a - lp_b) <= 1e-4
+            assert [t for t, _ in top_a] == [t for t, _ in top_b]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) <= 1e-4

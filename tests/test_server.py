@@ -131,11 +131,12 @@ def test_chat_stream(server, smol_engine):
         model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, stream=True, user="someone",
         stream_options={"include_usage": True}, extra_body={"localspec": {"drafter": "ngram"}}))
     assert chunks[0].choices[0].delta.role == "assistant"
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat_answer(smol_engine, MESSAGES, 24)
-    last = chunks[-1]
-    assert last.choices[0].finish_reason in ("stop", "length") and last.usage.completion_tokens > 0
-    assert stats_of(last)["drafter"] == "ngram" and "gen_tps" in stats_of(last)
+    done, last = chunks[-2:]  # include_usage: the last chunk has the usage and no choices, as OpenAI sends it
+    assert done.choices[0].finish_reason in ("stop", "length")
+    assert last.choices == [] and last.usage.completion_tokens > 0
+    assert stats_of(done)["drafter"] == "ngram" and "gen_tps" in stats_of(done)
 
 
 def test_completions(server, smol_engine):
@@ -426,7 +427,20 @@ BAD = {
     "stream a string": (CHAT, OK_CHAT | {"stream": "yes"}, 400, "stream"),
     "model a number": (CHAT, OK_CHAT | {"model": 5}, 400, "model"),
     "n above 1": (CHAT, OK_CHAT | {"n": 2}, 400, "n"),
-    "logprobs": (CHAT, OK_CHAT | {"logprobs": True}, 400, "logprobs"),
+    "logprobs a number": (CHAT, OK_CHAT | {"logprobs": 3}, 400, "logprobs"),
+    "top_logprobs above 20": (CHAT, OK_CHAT | {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    "top_logprobs without logprobs": (CHAT, OK_CHAT | {"top_logprobs": 2}, 400, "top_logprobs"),
+    "top_logprobs negative": (CHAT, OK_CHAT | {"logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    "completion logprobs above 20": (COMPLETIONS, OK_COMPLETION | {"logprobs": 50}, 400, "logprobs"),
+    "completion logprobs a bool": (COMPLETIONS, OK_COMPLETION | {"logprobs": True}, 400, "logprobs"),
+    "prediction a string": (CHAT, OK_CHAT | {"prediction": "text"}, 400, "prediction"),
+    "prediction of another type": (CHAT, OK_CHAT | {"prediction": {"type": "file", "content": "x"}}, 400,
+                                   "prediction"),
+    "prediction content a number": (CHAT, OK_CHAT | {"prediction": {"type": "content", "content": 5}}, 400,
+                                    "prediction"),
+    "completion prediction an object": (COMPLETIONS, OK_COMPLETION | {"prediction": {"content": "x"}}, 400,
+                                        "prediction"),
+    "stream_options not an object": (CHAT, OK_CHAT | {"stream_options": True}, 400, "stream_options"),
     # SmolLM2's chat template writes no tool-call format
     "tools on a template without calls": (CHAT, OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]},
                                           400, "tools"),
@@ -663,3 +677,44 @@ def test_a_tool_result_goes_back_through_the_template(qwen_server):
     r = client.chat.completions.create(model="any", messages=messages, tools=[WEATHER], max_tokens=64)
     assert r.choices[0].finish_reason == "stop"
     assert "18" in r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+# ---- predicted outputs, logprobs, include_usage ----
+def test_prediction_counts_add_up_and_change_nothing(server, smol_engine):
+    client = server.client()
+    expected = chat_answer(smol_engine, MESSAGES, 24)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24,
+                                       prediction={"type": "content", "content": expected},
+                                       extra_body={"localspec": {"drafter": "ngram"}})
+    assert r.choices[0].message.content == expected
+    details = r.usage.completion_tokens_details
+    stats = stats_of(r)
+    assert details.accepted_prediction_tokens == stats["accepted_prediction"] > 0
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == stats["drafted_prediction"]
+    assert details.accepted_prediction_tokens <= r.usage.completion_tokens
+    r = server.client().completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=12,
+                                           temperature=0, extra_body={"prediction": " red, green and blue."})
+    assert r.usage.completion_tokens_details.accepted_prediction_tokens is not None
+
+
+def test_logprobs_stream_and_not(server, smol_engine):
+    client = server.client()
+    want = smol_engine.generate(smol_engine.chat_tokens(MESSAGES), max_tokens=12, temperature=0, logprobs=3)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 12 and "".join(c.token for c in content) == r.choices[0].message.content
+    assert [c.logprob for c in content] == pytest.approx([lp for lp, _ in want.logprobs], abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob for c in content)
+    assert bytes(content[0].bytes).decode() == content[0].token
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12,
+                                                 logprobs=True, top_logprobs=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    r = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=6, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
