@@ -13,6 +13,9 @@ A prompt line may carry a JSON Schema (`schema`): every method then runs constra
 json_schema=, llama-cpp-python's through its own grammar sampler (LlamaGrammar.from_json_schema, what its
 create_chat_completion(response_format={"type": "json_object", "schema": ...}) uses), on the same prompt
 tokens — and each output is validated against the schema (with `jsonschema`, when installed).
+
+A prompt line may carry a `prediction` (Predicted Outputs: the text it expects back, e.g. the file being
+edited): the method `auto-pred` is `auto` given it; every other method runs without it.
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ from .sampling import SamplingParams
 
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
 STRUCTURED = Path(__file__).with_name("structured_prompts.jsonl")
-OURS = ("none", "model", "ngram", "hybrid", "auto")
+EDITS = Path(__file__).with_name("edit_prompts.jsonl")
+SETS = {"structured": STRUCTURED, "edit": EDITS}  # --prompts NAME for a shipped set
+OURS = ("none", "model", "ngram", "hybrid", "auto", "auto-pred")
 # llama-cpp-python: plain decoding ("peer"), and LlamaPromptLookupDecoding(num_pred_tokens=N)
 PEERS = {"peer": 0, "peer-2": 2, "peer-10": 10}
 METHODS = OURS + tuple(PEERS)
@@ -54,6 +59,7 @@ class Run:
     same_as_plain: bool | None = True  # None: not comparable (sampled without a seed; a peer's own sampler)
     failed: str | None = None          # a peer that raised: its error, on one line
     valid: bool | None = None          # under a schema: whether the output is valid JSON for it
+    prediction: tuple[int, int] | None = None  # auto-pred: prediction tokens (accepted, rejected)
 
 
 @dataclass
@@ -66,7 +72,8 @@ class Row:
 def _is_prompt(r: object) -> bool:
     msgs = r.get("messages") if isinstance(r, dict) else None
     return (isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("kind", ""), str)
-            and isinstance(r.get("schema", {}), dict) and isinstance(msgs, list) and bool(msgs)
+            and isinstance(r.get("schema", {}), dict) and isinstance(r.get("prediction", ""), str)
+            and isinstance(msgs, list) and bool(msgs)
             and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in msgs))
 
@@ -144,12 +151,13 @@ def load_peer(llm, n_ctx: int):
 
 
 def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: float = 0.0,
-          seed: int | None = None, schema: dict | None = None) -> Run:
+          seed: int | None = None, schema: dict | None = None, prediction: str | None = None) -> Run:
     models = [m for m in (llm.target, llm.draft) if m is not None]
     for m in models:
         m.truncate(0)
-    stream = llm.stream(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed, drafter=method,
-                        json_schema=schema)
+    stream = llm.stream(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                        drafter="auto" if method == "auto-pred" else method, json_schema=schema,
+                        prediction=prediction if method == "auto-pred" else None)
     n, text, t_first = 0, [], None
     for ev in stream:
         if t_first is None:
@@ -162,7 +170,9 @@ def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: flo
     s = stream.stats
     return Run((n - 1) / wall if wall > 0 else 0.0, n, "".join(text),
                s.acceptance_rate if s.drafted else None, s.mean_accepted if s.drafted else None,
-               1.0 - inside / wall if wall > 0 else None)
+               1.0 - inside / wall if wall > 0 else None,
+               prediction=(s.accepted_prediction, s.drafted_prediction - s.accepted_prediction)
+               if prediction is not None and method == "auto-pred" else None)
 
 
 def _peer(llama, tokens: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None,
@@ -222,7 +232,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
                     peer.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=PEERS[m]) if PEERS[m] else None
                     r = _peer(peer, tokens, max_tokens, temperature, seed, schema)
                 else:
-                    r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema)
+                    r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema, p.get("prediction"))
                 if schema is not None and not r.failed:
                     r.valid = valid(r.text, schema)
                 tries[m].append(r)
@@ -268,6 +278,8 @@ def _cell(m: str, r: Run) -> str:
     if r.acceptance is not None:
         cell += f" {r.acceptance:.0%} {r.mean_accepted:.1f}/rd"
     cell += {True: " ✓", False: " INVALID", None: ""}[r.valid]
+    if r.prediction is not None:
+        cell += f" pred {r.prediction[0]}/{r.prediction[1]}"
     return cell + (" ≠" if r.same_as_plain is False else "")
 
 
@@ -286,7 +298,8 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     if any(checked.values()):
         out.append(f"| valid JSON | {' | '.join(f'{sum(v)}/{len(v)}' if v else 'n/a' for v in checked.values())} |")
     out.append("\ntokens/s from first to last token; (ratio) to plain in this run; NN% = acceptance rate, "
-               "N.N/rd = mean accepted draft tokens per drafting round; geomean over the prompts a method ran.")
+               "N.N/rd = mean accepted draft tokens per drafting round; geomean over the prompts a method ran; "
+               "pred A/R = prediction tokens accepted/rejected.")
     if temperature == 0:
         out.append("Greedy: ≠ = output differs from plain's.")
     elif seed is None:

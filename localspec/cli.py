@@ -238,10 +238,12 @@ def chat(system, show_draft, **kw):
 @click.option("--prompts", type=click.Path(dir_okay=False),
               help="JSONL file of prompts (id, kind, messages, optionally a JSON Schema as 'schema'); default: the "
                    "set shipped with localspec; 'structured': the shipped extraction/classification set with "
-                   "schemas (every method then runs constrained to each schema and outputs are validated).")
+                   "schemas (every method then runs constrained to each schema and outputs are validated); 'edit': "
+                   "edits of 100+ line files with the file as the prediction (method auto-pred).")
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--methods", default="none,model,ngram,hybrid,auto,peer-2,peer-10", show_default=True,
-              help="Comma-separated: none (plain), model, ngram, hybrid, auto, and llama-cpp-python itself: peer "
+              help="Comma-separated: none (plain), model, ngram, hybrid, auto, auto-pred (auto given the prompt's "
+                   "prediction), and llama-cpp-python itself: peer "
                    "(its plain decoding; under a schema its JSON-schema grammar mode) and its "
                    "LlamaPromptLookupDecoding as peer-2 / peer-10 (num_pred_tokens).")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
@@ -269,7 +271,7 @@ def bench(prompts, max_tokens, methods, repeat, json_path, plot_path, temperatur
             raise click.UsageError("--plot needs matplotlib: pip install 'localspec[plot]'") from None
     make_request(max_tokens=max_tokens, temperature=temperature, seed=seed)  # fail before loading models
     load_kw, _ = split_options(kw)
-    rows_in = b.load_prompts(b.STRUCTURED if prompts == "structured" else prompts)
+    rows_in = b.load_prompts(b.SETS.get(prompts, prompts))
     explicit = click.get_current_context().get_parameter_source("methods") != click.core.ParameterSource.DEFAULT
     with load_engine(load_kw) as llm:
         if llm.draft is None and not explicit:  # the default list; named ones are refused by run()
