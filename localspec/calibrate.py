@@ -29,19 +29,22 @@ from .sampling import SamplingParams, dist
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)  # verify batch sizes; costs in between are interpolated
 DEPTHS = (256, 1024)  # tokens cached while measuring; other depths are interpolated (and extrapolated) linearly
-FORMAT = 2  # bump when the cached files change shape
+FORMAT = 3  # bump when the cached files change shape
+FILL_BATCH = 32  # catching the draft's cache up is a batched decode: its cost per token is measured at this size
 
 
 @dataclass(frozen=True)
 class Costs:
     """Seconds. verify[j][i]: one target decode of sizes[i] tokens (logits for all) after depths[j] cached
-    tokens; draft[j]: one draft-model token at that depth; sample_row: one row through the sampler at T > 0."""
+    tokens; draft[j]: one draft-model token at that depth; draft_fill[j]: one token of catching the draft's
+    cache up (a batched decode) at that depth; sample_row: one row through the sampler at T > 0."""
 
     sizes: tuple[int, ...]
     depths: tuple[int, ...]
     verify: tuple[tuple[float, ...], ...]
     draft: tuple[float, ...] | None
     sample_row: float
+    draft_fill: tuple[float, ...] | None = None
 
     def _at_depth(self, values, depth):
         if len(self.depths) == 1:
@@ -58,6 +61,11 @@ class Costs:
     def draft_cost(self, depth: int = 0) -> float:
         return float(self._at_depth(self.draft, depth)) if self.draft is not None else float("inf")
 
+    def fill_cost(self, depth: int = 0) -> float:
+        """Seconds per token of catching the draft's cache up (a quarter of a draft step when not measured)."""
+        fill = self.draft_fill if self.draft_fill is not None else [0.25 * d for d in self.draft or (0.0,)]
+        return float(self._at_depth(fill, depth))
+
     def table(self) -> str:
         head = "batch " + "".join(f"{n:>8d}" for n in self.sizes)
         lines = [head] + [f"@{d:<5d}" + "".join(f"{v * 1e3:8.1f}" for v in row)
@@ -65,6 +73,8 @@ class Costs:
         lines.append("verify: ms per target decode of that many tokens (logits for all) at @depth cached tokens")
         if self.draft is not None:
             lines.append("draft:  " + ", ".join(f"{v * 1e3:.1f} ms per token @{d}" for d, v in zip(self.depths, self.draft)))
+            lines.append("fill:   " + ", ".join(f"{self.fill_cost(d) * 1e3:.2f} ms per token of draft catch-up @{d}"
+                                                for d in self.depths))
         lines.append(f"sample: {self.sample_row * 1e3:.2f} ms per row at temperature > 0")
         return "\n".join(lines)
 
@@ -112,6 +122,16 @@ def _time_decode(model: Model, n: int) -> float:
     return elapsed
 
 
+def _time_fill(model: Model, n: int) -> float:
+    """A catch-up decode of n tokens (logits for the last only), as sync does it."""
+    base = len(model.tokens)
+    toks = model.tokens[-n:]
+    model.truncate(base - n)
+    t = time.perf_counter()
+    model.decode(toks, logits="last")
+    return time.perf_counter() - t
+
+
 def _fill(model: Model, n: int) -> list[int]:
     return [(7 + 13 * i) % min(model.n_vocab, 30000) + 100 for i in range(n)]
 
@@ -130,7 +150,7 @@ def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None) -> C
     the machine inflates one sample, not the curve; each curve is then made non-decreasing.
     """
     depths, sizes = plan(target.n_ctx, target.n_batch)
-    verify, drafts = [], []
+    verify, drafts, fills = [], [], []
     for depth in depths:
         target.sync(_fill(target, depth))
         _time_decode(target, sizes[-1])  # warm-up
@@ -147,8 +167,14 @@ def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None) -> C
             draft.sync(_fill(draft, min(depth, draft.n_ctx - 2)))
             _time_decode(draft, 1)
             drafts.append(min(_time_decode(draft, 1) for _ in range(2 * reps)))
+            base = len(draft.tokens)
+            if base >= FILL_BATCH:
+                fills.append(min(_time_fill(draft, FILL_BATCH) for _ in range(reps)) / FILL_BATCH)
+            else:
+                fills.append(0.25 * drafts[-1])
             if log:
-                log(f"draft 1 token at {depth} cached tokens: {drafts[-1] * 1e3:.1f} ms")
+                log(f"draft 1 token at {depth} cached tokens: {drafts[-1] * 1e3:.1f} ms, catch-up "
+                    f"{fills[-1] * 1e3:.2f} ms per token")
     # a real row through the default sampler chain (top-k 40 ...), as every row at temperature > 0 is
     row = np.array(target.decode(target.tokens[-1:], logits="all")[0])
     params = SamplingParams()
@@ -161,7 +187,7 @@ def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None) -> C
         if m is not None:
             m.truncate(0)
     return Costs(sizes, depths, tuple(verify), tuple(drafts) if draft is not None else None,
-                 float(np.median(times)))
+                 float(np.median(times)), tuple(fills) if draft is not None else None)
 
 
 def _read(path: Path) -> dict | None:
@@ -185,7 +211,8 @@ def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, forc
     if data is not None:
         try:
             return Costs(tuple(data["sizes"]), tuple(data["depths"]), tuple(map(tuple, data["verify"])),
-                         tuple(data["draft"]) if data["draft"] is not None else None, float(data["sample_row"]))
+                         tuple(data["draft"]) if data["draft"] is not None else None, float(data["sample_row"]),
+                         tuple(data["draft_fill"]) if data.get("draft_fill") is not None else None)
         except (KeyError, TypeError, ValueError):
             pass
     print(f"localspec: measuring speculation costs on this machine for {target.path.name} "

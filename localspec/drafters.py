@@ -135,6 +135,12 @@ class ModelDrafter:
             self.checked = len(context)
         return not self.foreign and len(context) < self.model.n_ctx
 
+    def lag(self, context: Sequence[int]) -> int:
+        """How many context tokens the draft's cache lacks: what drafting now must first catch up."""
+        cached = np.asarray(self.model.tokens[:len(context)], dtype=np.int64)
+        differ = np.flatnonzero(cached != np.asarray(context[:len(cached)], dtype=np.int64))
+        return len(context) - (int(differ[0]) if differ.size else len(cached))
+
     def propose(self, context: Sequence[int], n: int) -> Draft:
         m = self.model
         n = min(n, m.n_ctx - len(context))
@@ -250,17 +256,18 @@ def _bucket(size: int) -> int:
 
 
 def _best(rates: np.ndarray, cost, extra_per_token: float = 0.0, per_emitted: float = 0.0,
-          start: int = 0) -> tuple[int, float]:
+          start: int = 0, fixed: float = 0.0) -> tuple[int, float]:
     """(K, expected tokens per second) of the best draft length K >= max(start, 1) given per-position
     acceptance rates.
 
     cost(n) is the seconds of a verify of n tokens; extra_per_token the cost of drafting one of the tokens past
     `start` (the first `start` are given: forced by a grammar); per_emitted the cost of each row the acceptance
-    rule reads (one per emitted token: rows past a rejection are never read).
+    rule reads (one per emitted token: rows past a rejection are never read); fixed a cost the round pays
+    whatever K (catching the draft model's cache up).
     """
     expected = 1.0 + np.cumsum(np.cumprod(rates))  # tokens a round yields with K = 1..len(rates) drafts
     ks = np.arange(1, len(rates) + 1)
-    speed = expected / (cost(ks + 1) + extra_per_token * np.maximum(ks - start, 0) + per_emitted * expected)
+    speed = expected / (cost(ks + 1) + extra_per_token * np.maximum(ks - start, 0) + per_emitted * expected + fixed)
     i = max(start, 1) - 1 + int(np.argmax(speed[max(start, 1) - 1:]))
     return i + 1, float(speed[i])
 
@@ -317,6 +324,10 @@ class AutoDrafter:
     def _plain(self, depth: int) -> float:
         """Expected tokens per second of plain decoding."""
         return 1.0 / (self.costs.verify_cost(1, depth) + self.row_cost)
+
+    def model_may_win(self, depth: int, n: int = 16) -> bool:
+        """Whether the draft model could pay on this machine at all (then its cache is kept from the prompt on)."""
+        return self.model is not None and self.costs.draft is not None and self._model_can_win(depth, n)
 
     def _model_can_win(self, depth: int, n: int) -> bool:
         # Where even a draft model that is always right would not clearly beat plain decoding (slow batched
@@ -382,8 +393,10 @@ class AutoDrafter:
                 self.run = 0
         if (n > f and self.model is not None and self.costs.draft is not None and self.model.fits(ctx)
                 and self._model_can_win(depth, n)):
+            # catching the draft's cache up over what it has not seen is paid before it can draft
+            catch_up = self.model.lag(ctx) * self.costs.fill_cost(depth)
             k, speed = _best(np.concatenate([rates, self.model_stats.rates(n - f)]), cost,
-                             self.costs.draft_cost(depth), self.row_cost, start=f)
+                             self.costs.draft_cost(depth), self.row_cost, start=f, fixed=catch_up)
             self.since_model += 1
             probe = self.since_model >= self.probe_every
             if speed > best[2] or probe:

@@ -573,9 +573,11 @@ class Engine:
                                    "or use drafter 'auto' or 'ngram', which stand aside")
             notes.append(f"the draft model stands aside: {why}")
         if name == "auto":
-            # auto may never call the draft model (on a CPU it rarely pays): it catches up lazily if it does.
-            return name, AutoDrafter(self.calibration(), NgramDrafter(n_min=1, n_max=8), model if fits else None,
-                                     sample_rows=not req.sampling.greedy, grammar=grammar, prediction=prediction), False
+            auto = AutoDrafter(self.calibration(), NgramDrafter(n_min=1, n_max=8), model if fits else None,
+                               sample_rows=not req.sampling.greedy, grammar=grammar, prediction=prediction)
+            # Where the draft model cannot pay on this machine even if always right (most CPUs), its cache is
+            # left alone; where it can, it is prefilled with the prompt, so drafting never waits for that.
+            return name, auto, fits and auto.model_may_win(len(tokens))
         if name == "model":
             return name, model, True
         return name, HybridDrafter(NgramDrafter(prediction=prediction), model), fits

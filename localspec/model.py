@@ -186,6 +186,7 @@ class Model:
                              f"or its architecture unsupported by this llama.cpp{_last_log()}")
         self.vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self._piece_buf = ctypes.create_string_buffer(256)
         if vocab_only:
             return
         if L.llama_model_is_recurrent(self._model) or L.llama_model_is_hybrid(self._model):
@@ -212,7 +213,6 @@ class Model:
         np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
-        self._piece_buf = ctypes.create_string_buffer(256)
 
     # ---- tokens and text ----
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:

@@ -11,7 +11,8 @@ model's own greedy proposals at every position (with its top probabilities, for 
     a plain step or a draft of any length;
   - `auto`, fed the same outputs, making its own decisions as in a live run;
   - the fixed drafters: none, ngram k 4, ngram k 16, model k 4.
-A draft-model round also pays for catching the draft's cache up over the tokens since it last ran.
+A draft-model round also pays for catching the draft's cache up over the tokens since it last ran (the
+cost per token measured by the calibration; a quarter of a draft step on curves that lack it).
 
     python scripts/oracle_bound.py record --prompts shipped --out runs.json [--draft-proposals] [--threads 2]
     python scripts/oracle_bound.py replay runs.json [--costs host|amd1|amd2|intel|all]
@@ -22,17 +23,18 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from localspec.bench import PROMPTS, STRUCTURED, load_prompts  # noqa: E402
+from localspec.bench import EDITS, PROMPTS, STRUCTURED, load_prompts  # noqa: E402
 from localspec.calibrate import Costs  # noqa: E402
-from localspec.drafters import AutoDrafter, Draft, NgramDrafter  # noqa: E402
+from localspec.drafters import AutoDrafter, Draft, NgramDrafter, Prediction  # noqa: E402
 
 HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
-SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED}
+SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED, "edit": EDITS}
 K = 16  # longest draft considered (auto's default k)
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
 
@@ -52,7 +54,6 @@ CURVES = {
     "intel": curve({1: 68, 2: 100, 3: 130, 5: 141, 6: 169, 8: 208, 10: 248, 12: 260, 14: 300, 17: 308, 24: 398,
                     33: 493}, 31.5),
 }
-DRAFT_PREFILL_SHARE = 0.25  # a token of draft catch-up (a batched prefill) costs this share of a draft step
 
 
 def agreed(guess, actual) -> int:
@@ -98,30 +99,36 @@ def record(a) -> None:
         out = llm.generate(prompt, max_tokens=a.max_tokens, temperature=0, drafter="none",
                            json_schema=p.get("schema")).tokens
         run = {"id": p["id"], "kind": p.get("kind", ""), "prompt": prompt, "out": out, "schema": p.get("schema")}
+        if p.get("prediction") is not None:
+            run["prediction"] = llm.tokenize(p["prediction"], add_special=False, parse_special=False)
         if a.draft_proposals and llm.draft is not None and p.get("schema") is None:
             run["draft"] = draft_proposals(llm.draft, prompt, out)
         runs.append(run)
         print(f"recorded {p['id']}: {len(out)} tokens", file=sys.stderr)
-    data = {"target": str(llm.target.path), "costs": {"sizes": costs.sizes, "depths": costs.depths,
-                                                       "verify": costs.verify, "draft": costs.draft,
-                                                       "sample_row": costs.sample_row}, "runs": runs}
+    data = {"target": str(llm.target.path), "costs": asdict(costs), "runs": runs}
     Path(a.out).write_text(json.dumps(data))
 
 
 # ---- replay ----
 class Recorded:
-    """The draft model, replayed: its recorded greedy proposal at each position, cut by p_min and n."""
+    """The draft model, replayed: its recorded greedy proposal at each position, cut by p_min and n. It
+    keeps the account of its cache: each proposal first catches it up over what it has not seen."""
 
-    def __init__(self, props, start: int, p_min: float):
-        self.props, self.start, self.p_min = props, start, p_min
-        self.last = None  # the context length it last drafted at: its cache is caught up to there
+    def __init__(self, props, start: int, p_min: float, fill_cost: float):
+        self.props, self.start, self.p_min, self.fill_cost = props, start, p_min, fill_cost
+        self.synced, self.spent = 0, 0.0  # how much of the context its cache holds; catch-up seconds paid
 
     def fits(self, context) -> bool:
         return True
 
+    def lag(self, context) -> int:
+        return max(len(context) - self.synced, 0)
+
     def propose(self, context, n: int) -> Draft:
         toks, probs = self.props[len(context) - self.start]
         k = next((i for i, q in enumerate(probs[:n]) if q < self.p_min), min(n, len(toks)))
+        self.spent += self.lag(context) * self.fill_cost
+        self.synced = len(context) + max(k - 1, 0)
         return Draft(list(toks[:k]))
 
 
@@ -143,6 +150,7 @@ def replay_one(run, costs: Costs, policy: str, target=None) -> float:
     props = run.get("draft")
     if policy == "oracle":
         lookup, g, cands = NgramDrafter(n_min=1, n_max=8).lookup, grammar(), []
+        oracle_pred = Prediction(run["prediction"], len(prompt)) if run.get("prediction") else None
         for t in range(n):
             forced = g.forced()[:K] if g is not None else []
             cont = lookup(seq[:len(prompt) + t] + forced, K - len(forced))[1] if len(forced) < K else []
@@ -150,6 +158,8 @@ def replay_one(run, costs: Costs, policy: str, target=None) -> float:
             cands.append([(cand[:g.validate(cand)] if g is not None else cand, 0.0)])
             if props is not None:  # the draft model's proposal, each token priced (catch-up ignored: a bound)
                 cands[-1].append((props[t][0], draft_step))
+            if oracle_pred is not None:
+                cands[-1].append((oracle_pred.lookup(seq[:len(prompt) + t], K)[1], 0.0))
             if g is not None:
                 g.consume(out[t:t + 1])
         best = [0.0] * (n + 1)
@@ -162,47 +172,58 @@ def replay_one(run, costs: Costs, policy: str, target=None) -> float:
             best[t] = min(options)
         return best[0]
     g = grammar()
-    model = Recorded(props, len(prompt), 0.75) if props is not None else None
+    model = Recorded(props, len(prompt), 0.75, costs.fill_cost(len(prompt))) if props is not None else None
+    pred = Prediction(run["prediction"], len(prompt)) if run.get("prediction") else None
     drafter = {"auto": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g),
+               "auto-pred": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g,
+                                                prediction=pred),
                "none": lambda: None, "ngram4": lambda: NgramDrafter(), "ngram16": lambda: NgramDrafter(),
                "model4": lambda: model}[policy]()
+    if model is not None and (policy == "model4" or (policy.startswith("auto") and drafter.model_may_win(len(prompt)))):
+        model.synced = len(prompt) - 1  # prefilled with the prompt, outside the timed generation (as in a run)
     if g is not None and drafter is not None and policy != "auto":
         from localspec.drafters import GrammarDrafter
 
         drafter = GrammarDrafter(g, drafter)  # as the engine wraps a fixed drafter under a grammar
-    k = 16 if policy in ("auto", "ngram16") else 4
-    t, spent, synced = 0, 0.0, 0  # synced: how far the draft model's cache holds the context
+    k = 16 if policy in ("auto", "auto-pred", "ngram16") else 4
+    t, spent = 0, 0.0
     while t < n:
         ctx = seq[:len(prompt) + t]
         d = drafter.propose(ctx, min(k, n - t - 1)) if drafter is not None and t < n - 1 else Draft([])
-        if model is not None and d.tokens and (policy == "model4" or (policy == "auto" and _from_model(drafter))):
-            spent += draft_step * (len(d.tokens) + DRAFT_PREFILL_SHARE * max(len(ctx) - synced - 1, 0))
-            synced = len(ctx) + len(d.tokens) - 1
+        if model is not None and d.tokens and (policy == "model4" or (policy.startswith("auto") and _from_model(drafter))):
+            spent += draft_step * len(d.tokens)
         gained = agreed(d.tokens, out[t:]) + 1
         if g is not None:
             g.consume(out[t:t + gained])
         t, spent = t + gained, spent + c(len(d.tokens) + 1, t)
-    return spent
+    return spent + (model.spent if model is not None else 0.0)
 
 
 def _from_model(auto) -> bool:
     return bool(auto.pending) and auto.pending[-1][2] is auto.model_stats and auto.since_model == 0
 
 
+def load_costs(h: dict) -> Costs:
+    """Costs from the calibration's JSON (the cache file, a recording's, or the GPU script's output)."""
+    return Costs(tuple(h["sizes"]), tuple(h["depths"]), tuple(map(tuple, h["verify"])),
+                 tuple(h["draft"]) if h.get("draft") else None, h.get("sample_row", 0.0),
+                 tuple(h["draft_fill"]) if h.get("draft_fill") else None)
+
+
 def replay(a) -> None:
     data = json.loads(Path(a.file).read_text())
-    h = data["costs"]
-    curves = {"host": Costs(tuple(h["sizes"]), tuple(h["depths"]), tuple(map(tuple, h["verify"])),
-                            tuple(h["draft"]) if h["draft"] else None, h["sample_row"])} | CURVES
+    curves = {"host": load_costs(data["costs"])} | CURVES
+    for f in a.costs_file or ():
+        curves[Path(f).stem] = load_costs(json.loads(Path(f).read_text()))
     target = None
     if any(r.get("schema") for r in data["runs"]):
         from localspec.model import Model, ModelConfig
 
         target = Model(data["target"], ModelConfig(n_ctx=512), vocab_only=True)
-    policies = ["oracle", "auto", "none", "ngram4", "ngram16"] + (["model4"] if any("draft" in r for r in data["runs"])
-                                                                else [])
+    policies = (["oracle", "auto"] + (["auto-pred"] if any("prediction" in r for r in data["runs"]) else [])
+                + ["none", "ngram4", "ngram16"] + (["model4"] if any("draft" in r for r in data["runs"]) else []))
     gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
-    for name in (list(curves) if a.costs == "all" else [a.costs]):
+    for name in (list(curves) if a.costs == "all" else [a.costs, *(Path(f).stem for f in a.costs_file or ())]):
         costs = curves[name]
         print(f"\n## costs: {name} (verify 1/2/5/17: " +
               "/".join(f"{costs.verify_cost(n, 256) * 1e3:.0f}" for n in (1, 2, 5, 17)) + " ms)")
@@ -219,7 +240,7 @@ def replay(a) -> None:
         g = {p: gm(ratios[p]) for p in policies}
         print("| **geomean** | " + " | ".join(f"**{g[p]:.2f}x**" for p in policies) +
               f" | {(g['auto'] - 1) / max(g['oracle'] - 1, 1e-9):.0%} |")
-        worst = min(min(ratios["auto"][i] - max(ratios[p][i] for p in policies if p not in ("oracle", "auto"))
+        worst = min(min(ratios["auto"][i] - max(ratios[p][i] for p in policies if p not in ("oracle", "auto", "auto-pred"))
                         for i in range(len(data["runs"]))), 9)
         print(f"auto minus the best fixed drafter, worst prompt: {worst:+.2f}")
 
@@ -238,7 +259,11 @@ def main() -> None:
     r.add_argument("--draft-proposals", action="store_true", help="record the draft model's proposals too")
     p = sub.add_parser("replay", help="the ceiling, auto and the fixed drafters over recorded outputs")
     p.add_argument("file")
-    p.add_argument("--costs", default="host", choices=["host", *CURVES, "all"])
+    p.add_argument("--costs", default="host", choices=["host", *CURVES, "all"],
+                   help="host: the costs recorded with the outputs; amd1/amd2/intel: MODELS.md's hosts")
+    p.add_argument("--costs-file", action="append", metavar="JSON",
+                   help="also replay with costs from this file (a calibration cache file, or the GPU script's "
+                        "costs.json); repeatable")
     a = ap.parse_args()
     record(a) if a.cmd == "record" else replay(a)
 

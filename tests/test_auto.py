@@ -40,6 +40,9 @@ class FakeModelDrafter:
     def fits(self, context):
         return True
 
+    def lag(self, context):
+        return 0
+
 
 def test_plain_when_verify_is_expensive_and_acceptance_low():
     a = auto(LINEAR)
