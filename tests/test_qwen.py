@@ -25,14 +25,22 @@ def prompt_messages():
 @pytest.fixture(scope="module")
 def exact_pair(qwen_paths):
     with localspec.load(target=qwen_paths[0], draft=qwen_paths[1], n_ctx=2048, exact=True) as llm:
+        llm.plain_runs = {}  # plain runs, computed once for every drafter compared with them
         yield llm
+
+
+def plain_run(llm, prompt: list[int], **options):
+    key = (tuple(prompt), tuple(sorted((k, json.dumps(v)) for k, v in options.items())))
+    if key not in llm.plain_runs:
+        llm.plain_runs[key] = llm.generate(prompt, temperature=0, drafter="none", **options)
+    return llm.plain_runs[key]
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid", "auto"])
 def test_exact_speculative_greedy_equals_plain(exact_pair, drafter):
     for messages in prompt_messages():
         prompt = exact_pair.chat_tokens(messages)
-        plain = exact_pair.generate(prompt, max_tokens=64, temperature=0, drafter="none")
+        plain = plain_run(exact_pair, prompt, max_tokens=64)
         spec = exact_pair.generate(prompt, max_tokens=64, temperature=0, drafter=drafter, k=4, p_min=0.0)
         assert spec.tokens == plain.tokens, (messages[-1]["content"][:40], drafter)
         assert spec.stats.drafted > 0 or drafter in ("ngram", "auto")
@@ -95,8 +103,8 @@ def test_exact_constrained_speculation_equals_constrained_plain(exact_pair, draf
     """Structured output is lossless: every shipped structured prompt, its schema, each drafter."""
     for p in structured_prompts():
         prompt = exact_pair.chat_tokens(p["messages"])
-        plain = exact_pair.generate(prompt, max_tokens=96, temperature=0, drafter="none", json_schema=p["schema"])
-        spec = exact_pair.generate(prompt, max_tokens=96, temperature=0, drafter=drafter, k=6, p_min=0.0,
+        plain = plain_run(exact_pair, prompt, max_tokens=48, json_schema=p["schema"])
+        spec = exact_pair.generate(prompt, max_tokens=48, temperature=0, drafter=drafter, k=6, p_min=0.0,
                                    json_schema=p["schema"])
         assert spec.tokens == plain.tokens, (p["id"], drafter)
         if drafter in ("ngram", "hybrid"):  # they always draft what the grammar forces; auto when it pays
@@ -107,8 +115,8 @@ def test_exact_logprobs_of_a_speculative_run_equal_a_plain_runs(exact_pair):
     """The chosen token's and the top 5 log-probabilities, every position, every shipped prompt."""
     for messages in (json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines()):
         prompt = exact_pair.chat_tokens(messages)
-        plain = exact_pair.generate(prompt, max_tokens=48, temperature=0, drafter="none", logprobs=5)
-        spec = exact_pair.generate(prompt, max_tokens=48, temperature=0, drafter="hybrid", k=4, p_min=0.0,
+        plain = plain_run(exact_pair, prompt, max_tokens=32, logprobs=5)
+        spec = exact_pair.generate(prompt, max_tokens=32, temperature=0, drafter="hybrid", k=4, p_min=0.0,
                                    logprobs=5)
         assert spec.tokens == plain.tokens and spec.stats.accepted > 0
         for (lp_a, top_a), (lp_b, top_b) in zip(plain.logprobs, spec.logprobs):
