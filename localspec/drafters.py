@@ -296,6 +296,7 @@ class AutoDrafter:
     # a draft that fails costs more than one that succeeds gains. (Replaying real outputs of 23 prompts
     # against this machine's costs: 1.05 beats 1.0 slightly on average and lifts the worst prompt.)
     MARGIN = 1.05
+    PROBE_LAG = 8  # probe the draft model only when its cache lacks at most this many tokens
 
     def __init__(self, costs, ngram: NgramDrafter, model: ModelDrafter | None, *, k_max: int = 33,
                  sample_rows: bool = False, grammar=None, prediction: Prediction | None = None):
@@ -313,7 +314,8 @@ class AutoDrafter:
         self.forced_stats = AcceptanceStats(k_max, 0.95)
         # a prediction is the client's own guess at the output: aligned with it, the output tends to follow it
         self.prediction_stats = {run: AcceptanceStats(k_max, prior) for run, prior in ((0, 0.5), (1, 0.7), (2, 0.9))}
-        self.probe_every, self.since_model = 64, 0
+        self.probe_every = 64
+        self.since_model = self.probe_every  # the first round the model could draft in probes it
         # guesses not settled yet: (position, tokens, whose stats, how many leading ones are counted already)
         self.pending: list[tuple[int, list[int], AcceptanceStats, int]] = []
         self._ngram_set = set(self.ngram_stats.values()) | set(self.prediction_stats.values())
@@ -394,11 +396,14 @@ class AutoDrafter:
         if (n > f and self.model is not None and self.costs.draft is not None and self.model.fits(ctx)
                 and self._model_can_win(depth, n)):
             # catching the draft's cache up over what it has not seen is paid before it can draft
-            catch_up = self.model.lag(ctx) * self.costs.fill_cost(depth)
+            lag = self.model.lag(ctx)
             k, speed = _best(np.concatenate([rates, self.model_stats.rates(n - f)]), cost,
-                             self.costs.draft_cost(depth), self.row_cost, start=f, fixed=catch_up)
+                             self.costs.draft_cost(depth), self.row_cost, start=f,
+                             fixed=lag * self.costs.fill_cost(depth))
             self.since_model += 1
-            probe = self.since_model >= self.probe_every
+            # a probe learns what the model is worth here, but only while its cache is nearly caught up: a
+            # probe after a long gap would pay a long catch-up for one round's answer
+            probe = self.since_model >= self.probe_every and lag <= self.PROBE_LAG
             if speed > best[2] or probe:
                 if probe and speed <= best[2]:
                     self.probe_every = min(2 * self.probe_every, 4096)
