@@ -51,7 +51,11 @@ class Costs:
             return values[0]
         d0, d1 = self.depths[0], self.depths[-1]
         w = (max(depth, d0) - d0) / (d1 - d0)  # attention grows linearly with the cache: extrapolate beyond d1
-        return values[0] + w * (values[-1] - values[0])
+        if w <= 1:
+            return values[0] + w * (values[-1] - values[0])
+        # beyond d1 only growth is extrapolated: a noisy measurement with the deeper cost lower would otherwise
+        # extrapolate towards zero (or below) at long contexts
+        return values[-1] + (w - 1) * np.maximum(np.subtract(values[-1], values[0]), 0.0)
 
     def verify_cost(self, n, depth: int = 0):
         """Seconds of a verify of n tokens (a number or an array) with `depth` tokens cached."""

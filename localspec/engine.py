@@ -272,6 +272,8 @@ class Stats:
         if self.drafted:
             s += (f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.0%}), "
                   f"{self.mean_accepted:.2f} per round")
+        if self.drafted_prediction:
+            s += f" (prediction {self.accepted_prediction}/{self.drafted_prediction})"
         s += f"; {self.rule} ({'lossless' if self.lossless else 'LOSSY'})"
         return s + "".join(f"\nnote: {n}" for n in self.notes)
 

@@ -112,10 +112,12 @@ def record(a) -> None:
 # ---- replay ----
 class Recorded:
     """The draft model, replayed: its recorded greedy proposal at each position, cut by p_min and n. It
-    keeps the account of its cache: each proposal first catches it up over what it has not seen."""
+    keeps the account of its cache: each proposal first catches it up over what it has not seen, and one cut
+    short by p_min has also decoded the token whose successor was too unsure (a draft step beyond the
+    tokens the caller pays for; an empty proposal still costs that step)."""
 
-    def __init__(self, props, start: int, p_min: float, fill_cost: float):
-        self.props, self.start, self.p_min, self.fill_cost = props, start, p_min, fill_cost
+    def __init__(self, props, start: int, p_min: float, fill_cost: float, step: float = 0.0):
+        self.props, self.start, self.p_min, self.fill_cost, self.step = props, start, p_min, fill_cost, step
         self.synced, self.spent = 0, 0.0  # how much of the context its cache holds; catch-up seconds paid
 
     def fits(self, context) -> bool:
@@ -127,7 +129,7 @@ class Recorded:
     def propose(self, context, n: int) -> Draft:
         toks, probs = self.props[len(context) - self.start]
         k = next((i for i, q in enumerate(probs[:n]) if q < self.p_min), min(n, len(toks)))
-        self.spent += self.lag(context) * self.fill_cost
+        self.spent += self.lag(context) * self.fill_cost + (max(self.step - self.fill_cost, 0.0) if k < n else 0.0)
         self.synced = len(context) + max(k - 1, 0)
         return Draft(list(toks[:k]))
 
@@ -172,7 +174,8 @@ def replay_one(run, costs: Costs, policy: str, target=None) -> float:
             best[t] = min(options)
         return best[0]
     g = grammar()
-    model = Recorded(props, len(prompt), 0.75, costs.fill_cost(len(prompt))) if props is not None else None
+    model = (Recorded(props, len(prompt), 0.75, costs.fill_cost(len(prompt)), draft_step)
+             if props is not None else None)
     pred = Prediction(run["prediction"], len(prompt)) if run.get("prediction") else None
     drafter = {"auto": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g),
                "auto-pred": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g,

@@ -122,6 +122,16 @@ def test_costs_interpolate_in_size_and_depth():
     np.testing.assert_allclose(c.verify_cost(np.array([1, 2]), 256), [0.01, 0.02])
 
 
+def test_a_noisy_deeper_measurement_never_extrapolates_towards_zero():
+    """Measured on a busy machine, the deeper cost can come out lower: within the depths that is interpolated
+    as measured, beyond the last depth it stays at the deeper figure instead of falling towards zero."""
+    c = Costs((1, 2), (256, 1024), ((0.04, 0.06), (0.03, 0.05)), (0.02, 0.01), 0.0)
+    assert c.verify_cost(1, 640) == pytest.approx(0.035)
+    assert c.verify_cost(1, 4096) == pytest.approx(0.03) and c.verify_cost(1, 100_000) == pytest.approx(0.03)
+    assert c.draft_cost(100_000) == pytest.approx(0.01)
+    np.testing.assert_allclose(c.verify_cost(np.array([1, 2]), 100_000), [0.03, 0.05])
+
+
 def test_auto_prices_long_contexts_at_their_depth():
     """Costs measured at 256 cached tokens but used at 1,500+ made long drafts look cheap."""
     deep = Costs(SIZES, (256, 1024), (tuple(np.interp(SIZES, [1, 33], [0.03, 0.5])),

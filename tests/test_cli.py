@@ -179,3 +179,7 @@ def test_generate_with_a_prediction_file(smol_path, tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["text"] == text and out["stats"]["accepted_prediction"] > 0
+    r = localspec("generate", "1, 2, 3, 4,", "--target", smol_path, "--temperature", "0",
+                  "--max-tokens", "16", "--drafter", "ngram", "--prediction", tmp_path / "pred.txt")
+    st = out["stats"]
+    assert f"(prediction {st['accepted_prediction']}/{st['drafted_prediction']})" in r.stderr, r.stderr
