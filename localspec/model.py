@@ -198,9 +198,12 @@ class Model:
         if not self._ctx:
             self.close()
             quantized = cfg.type_k != "f16" or cfg.type_v != "f16"
+            if cfg.type_v != "f16" and cp.flash_attn_type == L.LLAMA_FLASH_ATTN_TYPE_DISABLED:
+                fix = f"a quantized V cache ({cfg.type_v}) needs flash attention: --flash-attn on, or type_v f16"
+            else:
+                fix = "try a smaller n_ctx" + ("" if quantized else " or a quantized KV cache (type_k/type_v q8_0)")
             raise ModelError(f"llama.cpp could not create a context for {self.path.name} with n_ctx={cfg.n_ctx}"
-                             f"{_last_log()}; try a smaller n_ctx"
-                             + ("" if quantized else " or a quantized KV cache (type_k/type_v q8_0)"))
+                             f"{_last_log()}; {fix}")
         self._mem = L.llama_get_memory(self._ctx)
         self.n_ctx = L.llama_n_ctx(self._ctx)
         self.n_batch = cp.n_batch

@@ -148,6 +148,16 @@ def test_unknown_llama_setting_is_an_error_naming_it(smol_path):
         localspec.load(target=smol_path, target_kwargs={"n_gpu_layerz": 1})
 
 
+def test_a_context_llama_cpp_refuses_names_the_real_fix(smol_path):
+    """A quantized V cache without flash attention: the error says that, not "a smaller n_ctx", and never
+    suggests the quantized cache that is already set."""
+    with pytest.raises(ModelError) as e:
+        Model(smol_path, ModelConfig(n_ctx=256, type_v="q8_0", flash_attn="off"))
+    msg = str(e.value)
+    assert "needs flash attention: --flash-attn on, or type_v f16" in msg
+    assert "smaller n_ctx" not in msg and "quantized KV cache (type_k" not in msg
+
+
 def test_recurrent_models_are_refused(smol_path, monkeypatch):
     monkeypatch.setattr(L, "llama_model_is_recurrent", lambda model: True)
     with pytest.raises(ModelError, match="recurrent or hybrid"):
