@@ -305,10 +305,13 @@ class AutoDrafter:
         self.row_cost = costs.sample_row if sample_rows else 0.0
         # n-gram guesses are judged by the size of the match behind them (longer predicts better) and by the
         # copy run they extend: how many tokens in a row the latest guesses got right (0, 1-3, 4+). Quoting is
-        # bursty: once the model copies a span it tends to go on, and a miss tends to start a new stretch.
+        # bursty: once the model copies a span it tends to go on, and a miss tends to start a new stretch. A
+        # short run (1-3 tokens) says little: generated code repeats short n-grams that then part. (A prior of
+        # 0.4 there instead of 0.6, replayed on 23 prompts and 4 cost curves: the worst prompt 0.96x -> 0.99x of
+        # plain, geometric means -0.15% on average; live on this 2-core EPYC, interleaved: 1.034x vs 1.017x.)
         self.ngram_stats = {(size, run): AcceptanceStats(k_max, prior)
                             for size, p0 in ((1, 0.1), (2, 0.25), (3, 0.35), (4, 0.45), (6, 0.55))
-                            for run, prior in ((0, p0), (1, 0.6), (2, 0.85))}
+                            for run, prior in ((0, p0), (1, 0.4), (2, 0.85))}
         self.run = 0
         self.model_stats = AcceptanceStats(k_max, 0.7)
         self.forced_stats = AcceptanceStats(k_max, 0.95)
