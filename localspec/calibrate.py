@@ -46,6 +46,14 @@ class Costs:
     sample_row: float
     draft_fill: tuple[float, ...] | None = None
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Costs":
+        """From the JSON the calibration writes (the cache file, a replay recording, the GPU script's output);
+        KeyError, TypeError or ValueError when it is not one."""
+        return cls(tuple(d["sizes"]), tuple(d["depths"]), tuple(map(tuple, d["verify"])),
+                   tuple(d["draft"]) if d["draft"] is not None else None, float(d["sample_row"]),
+                   tuple(d["draft_fill"]) if d.get("draft_fill") is not None else None)
+
     def _at_depth(self, values, depth):
         if len(self.depths) == 1:
             return values[0]
@@ -214,9 +222,7 @@ def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, forc
     data = None if force else _read(path)
     if data is not None:
         try:
-            return Costs(tuple(data["sizes"]), tuple(data["depths"]), tuple(map(tuple, data["verify"])),
-                         tuple(data["draft"]) if data["draft"] is not None else None, float(data["sample_row"]),
-                         tuple(data["draft_fill"]) if data.get("draft_fill") is not None else None)
+            return Costs.from_dict(data)
         except (KeyError, TypeError, ValueError):
             pass
     print(f"localspec: measuring speculation costs on this machine for {target.path.name} "

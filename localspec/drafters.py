@@ -137,9 +137,7 @@ class ModelDrafter:
 
     def lag(self, context: Sequence[int]) -> int:
         """How many context tokens the draft's cache lacks: what drafting now must first catch up."""
-        cached = np.asarray(self.model.tokens[:len(context)], dtype=np.int64)
-        differ = np.flatnonzero(cached != np.asarray(context[:len(cached)], dtype=np.int64))
-        return len(context) - (int(differ[0]) if differ.size else len(cached))
+        return len(context) - self.model.cached_prefix(context)
 
     def propose(self, context: Sequence[int], n: int) -> Draft:
         m = self.model
@@ -331,12 +329,11 @@ class AutoDrafter:
         return 1.0 / (self.costs.verify_cost(1, depth) + self.row_cost)
 
     def model_may_win(self, depth: int, n: int = 16) -> bool:
-        """Whether the draft model could pay on this machine at all (then its cache is kept from the prompt on)."""
-        return self.model is not None and self.costs.draft is not None and self._model_can_win(depth, n)
-
-    def _model_can_win(self, depth: int, n: int) -> bool:
-        # Where even a draft model that is always right would not clearly beat plain decoding (slow batched
-        # verify, costly draft), it is never tried: a probe would also pay for catching its cache up.
+        """Whether the draft model could pay on this machine at all (then its cache is kept from the prompt on).
+        Where even a draft model that is always right would not clearly beat plain decoding (slow batched
+        verify, costly draft), it is never tried: a probe would also pay for catching its cache up."""
+        if self.model is None or self.costs.draft is None:
+            return False
         speed = _best(np.ones(n), self._cost(depth), self.costs.draft_cost(depth), self.row_cost)[1]
         return speed > 1.25 * self._plain(depth)
 
@@ -396,8 +393,7 @@ class AutoDrafter:
                     best = ("prediction", k, speed)
             if not cont and not pcont:
                 self.run = 0
-        if (n > f and self.model is not None and self.costs.draft is not None and self.model.fits(ctx)
-                and self._model_can_win(depth, n)):
+        if n > f and self.model_may_win(depth, n) and self.model.fits(ctx):
             # catching the draft's cache up over what it has not seen is paid before it can draft
             lag = self.model.lag(ctx)
             k, speed = _best(np.concatenate([rates, self.model_stats.rates(n - f)]), cost,

@@ -304,6 +304,12 @@ class Model:
         if not L.llama_memory_seq_rm(self._mem, 0, n, -1):
             raise ModelError(f"llama.cpp refused to roll the KV cache of {self.path.name} back to {n} tokens")
 
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the cache already holds."""
+        cached = np.asarray(self.tokens[:len(tokens)], dtype=np.int64)
+        differ = np.flatnonzero(cached != np.asarray(tokens[:len(cached)], dtype=np.int64))
+        return int(differ[0]) if differ.size else len(cached)
+
     def sync(self, tokens: Sequence[int], *, logits: bool = False, cancel=None) -> tuple[int, np.ndarray | None]:
         """Make the cache hold exactly `tokens`, reusing the longest common prefix already cached.
 
@@ -311,11 +317,7 @@ class Model:
         cancel: checked between chunks of PREFILL_CHUNK tokens; when it returns True, Cancelled is raised and
         the cache holds the chunks done so far (a later sync reuses them).
         """
-        keep = 0
-        for a, b in zip(self.tokens, tokens):
-            if a != b:
-                break
-            keep += 1
+        keep = self.cached_prefix(tokens)
         if logits:
             keep = min(keep, len(tokens) - 1)
         self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list

@@ -206,18 +206,11 @@ def _from_model(auto) -> bool:
     return bool(auto.pending) and auto.pending[-1][2] is auto.model_stats and auto.since_model == 0
 
 
-def load_costs(h: dict) -> Costs:
-    """Costs from the calibration's JSON (the cache file, a recording's, or the GPU script's output)."""
-    return Costs(tuple(h["sizes"]), tuple(h["depths"]), tuple(map(tuple, h["verify"])),
-                 tuple(h["draft"]) if h.get("draft") else None, h.get("sample_row", 0.0),
-                 tuple(h["draft_fill"]) if h.get("draft_fill") else None)
-
-
 def replay(a) -> None:
     data = json.loads(Path(a.file).read_text())
-    curves = {"host": load_costs(data["costs"])} | CURVES
+    curves = {"host": Costs.from_dict(data["costs"])} | CURVES
     for f in a.costs_file or ():
-        curves[Path(f).stem] = load_costs(json.loads(Path(f).read_text()))
+        curves[Path(f).stem] = Costs.from_dict(json.loads(Path(f).read_text()))
     target = None
     if any(r.get("schema") for r in data["runs"]):
         from localspec.model import Model, ModelConfig

@@ -60,8 +60,7 @@ def measure(a) -> None:
 def _row(costs, depth_index: int) -> dict[str, float]:
     from localspec.calibrate import Costs
 
-    c = Costs(tuple(costs["sizes"]), tuple(costs["depths"]), tuple(map(tuple, costs["verify"])),
-              tuple(costs["draft"]) if costs["draft"] else None, costs["sample_row"])
+    c = Costs.from_dict(costs)
     d = c.depths[depth_index]
     return {"verify(1)": c.verify_cost(1, d) * 1e3, "verify(5)": c.verify_cost(5, d) * 1e3,
             "verify(17)": c.verify_cost(17, d) * 1e3, "draft": c.draft_cost(d) * 1e3}
