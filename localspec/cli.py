@@ -68,7 +68,8 @@ def generation_options(f):
         click.option("--accept", type=click.Choice(D.RULES), default=D.ACCEPT, show_default=True,
                      help="Acceptance rule; rejection and greedy are lossless, threshold is lossy."),
         click.option("-k", "k", type=int, help=f"Draft tokens per round, at most (default: the pair's, else "
-                     f"{D.K_AUTO} under auto, {D.K_FIXED} otherwise); clamped to what one decode holds."),
+                     f"{D.K_AUTO} under auto ({D.K_PREDICTION} with --prediction), {D.K_FIXED} otherwise); clamped to "
+                     "what one decode holds."),
         click.option("--p-min", type=float, help="The draft model stops drafting when its top probability falls "
                      f"below this (default: the pair's, else {D.P_MIN})."),
         click.option("--threshold", type=float, default=D.THRESHOLD, show_default=True,
@@ -375,7 +376,7 @@ def models() -> None:
                else f">={memory.gib(size)}")
         rows.append(((("* " if p.name == reg.default_pair else "  ") + p.name), p.target, p.draft,
                      memory.gib(size), "yes" if all(paths) else "partly" if any(paths) else "no",
-                     f"{p.drafter} k={p.k} p_min={p.p_min} n_ctx={p.n_ctx}", mem))
+                     f"{p.drafter}{f' k={p.k}' if p.k else ''} p_min={p.p_min} n_ctx={p.n_ctx}", mem))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

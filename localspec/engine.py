@@ -373,7 +373,7 @@ class Request:
     seed: int | None = None
     drafter: str | None = None
     accept: str = defaults.ACCEPT
-    k: int | None = None  # draft tokens per round; under auto the upper bound. Default: K_AUTO / K_FIXED
+    k: int | None = None  # draft tokens per round; under auto the upper bound. Default: K_AUTO (K_PREDICTION) / K_FIXED
     p_min: float = defaults.P_MIN
     threshold: float = defaults.THRESHOLD
     stop: tuple[str, ...] = ()
@@ -605,7 +605,8 @@ class Engine:
         spec = req.constraint()
         grammar = Grammar(self.target, spec) if spec is not None else None
         name, drafter, prefill_draft = self._drafter(req, seed, tokens, notes, grammar)
-        k = req.k or (defaults.K_AUTO if name == "auto" else defaults.K_FIXED)
+        k = req.k or (defaults.K_FIXED if name != "auto" else
+                      defaults.K_PREDICTION if req.prediction is not None else defaults.K_AUTO)
         if k > self.target.n_batch - 1:  # [pending, d1..dk] must fit one decode
             notes.append(f"k={k} is more than one decode holds: clamped to {self.target.n_batch - 1} "
                          f"(n_batch={self.target.n_batch})")

@@ -21,10 +21,11 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+import types
 import zipfile
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import get_type_hints
+from typing import get_args, get_type_hints
 
 from .defaults import DRAFTERS
 from .errors import LocalspecError
@@ -63,7 +64,7 @@ class PairSpec:
     target: str
     draft: str
     drafter: str = "auto"
-    k: int = 16
+    k: int | None = None  # None: the drafter's own default (defaults.py)
     p_min: float = 0.75
     n_ctx: int = 4096
 
@@ -98,7 +99,9 @@ class Registry:
                             f"models: {', '.join(sorted(self.models))}")
 
 
-def _check_type(value, expected: type, where: str, key: str) -> None:
+def _check_type(value, expected, where: str, key: str) -> None:
+    if isinstance(expected, types.UnionType):  # an optional field: checked as its type when present
+        expected = next(a for a in get_args(expected) if a is not type(None))
     ok = isinstance(value, str) if expected is str else (
         isinstance(value, int if expected is int else (int, float)) and not isinstance(value, bool))
     if not ok:
@@ -142,7 +145,7 @@ _RULES = {
                  "must be 64 lowercase hex digits")],
     Mirror: [("parts", lambda v: v >= 1, "must be at least 1")],
     PairSpec: [("drafter", lambda v: v in DRAFTERS, f"must be one of {', '.join(DRAFTERS)}"),
-                 ("k", lambda v: v >= 1, "must be at least 1"),
+                 ("k", lambda v: v is None or v >= 1, "must be at least 1"),
                  ("p_min", lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1"),
                  ("n_ctx", lambda v: v > 0, "must be positive")],
 }

@@ -31,11 +31,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from localspec.bench import EDITS, PROMPTS, STRUCTURED, load_prompts  # noqa: E402
 from localspec.calibrate import Costs  # noqa: E402
+from localspec.defaults import K_PREDICTION  # noqa: E402
 from localspec.drafters import AutoDrafter, Draft, NgramDrafter, Prediction  # noqa: E402
 
 HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
 SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED, "edit": EDITS}
-K = 16  # longest draft considered (auto's default k)
+K = 16  # longest draft considered (auto's default k; with a prediction, K_PREDICTION)
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
 
 
@@ -161,7 +162,7 @@ def replay_one(run, costs: Costs, policy: str, target=None) -> float:
             if props is not None:  # the draft model's proposal, each token priced (catch-up ignored: a bound)
                 cands[-1].append((props[t][0], draft_step))
             if oracle_pred is not None:
-                cands[-1].append((oracle_pred.lookup(seq[:len(prompt) + t], K)[1], 0.0))
+                cands[-1].append((oracle_pred.lookup(seq[:len(prompt) + t], K_PREDICTION)[1], 0.0))
             if g is not None:
                 g.consume(out[t:t + 1])
         best = [0.0] * (n + 1)
@@ -188,7 +189,7 @@ def replay_one(run, costs: Costs, policy: str, target=None) -> float:
         from localspec.drafters import GrammarDrafter
 
         drafter = GrammarDrafter(g, drafter)  # as the engine wraps a fixed drafter under a grammar
-    k = 16 if policy in ("auto", "auto-pred", "ngram16") else 4
+    k = K_PREDICTION if policy == "auto-pred" else 16 if policy in ("auto", "ngram16") else 4
     t, spent = 0, 0.0
     while t < n:
         ctx = seq[:len(prompt) + t]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import localspec
-from localspec import RequestError
+from localspec import RequestError, defaults
 from localspec.model import ModelError
 
 from gguf_edit import pad_vocab
@@ -197,7 +197,9 @@ def test_a_prediction_drafts_but_never_changes_the_output(smol_engine):
     prompt = smol_engine.chat_tokens(MESSAGES)
     plain = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter="none")
     right = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter="auto", prediction=plain.text)
-    assert right.tokens == plain.tokens
+    assert right.tokens == plain.tokens and right.stats.k == defaults.K_PREDICTION  # auto drafts further with one
+    assert smol_engine.generate(prompt, max_tokens=4, temperature=0, drafter="auto", prediction=plain.text,
+                                k=8).stats.k == 8   # a request's own k is still the bound
     s = right.stats
     assert s.drafted_prediction > 0 and 0 < s.accepted_prediction <= s.drafted_prediction
     wrong = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter="ngram",

@@ -373,7 +373,7 @@ def test_models_command_lists_pairs_with_memory(user_models, tmp_path, smol_path
     est = memory.estimate(smol_path, smol_path, 2048)
     assert rows["qwen2.5-coder-1.5b"].startswith("* ") and " no " in rows["qwen2.5-coder-1.5b"]
     assert ">=1.50 GiB" in rows["qwen2.5-coder-1.5b"]
-    assert " yes " in rows["smollm2-self"] and "auto k=16 p_min=0.0 n_ctx=2048" in rows["smollm2-self"]
+    assert " yes " in rows["smollm2-self"] and "auto p_min=0.0 n_ctx=2048" in rows["smollm2-self"]
     assert rows["smollm2-self"].rstrip().endswith(memory.gib(est.total))
 
 
