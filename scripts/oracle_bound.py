@@ -251,8 +251,8 @@ def replay(a) -> None:
               f" | {(g['auto'] - 1) / max(g['oracle'] - 1, 1e-9):.0%} |")
         print(f"auto-warm (statistics learned from the output in advance) captures "
               f"{(g['auto-warm'] - 1) / max(g['oracle'] - 1, 1e-9):.0%} of the ceiling's gain")
-        worst = min(min(ratios["auto"][i] - max(ratios[p][i] for p in policies if p not in ("oracle", "auto", "auto-warm", "auto-pred"))
-                        for i in range(len(data["runs"]))), 9)
+        fixed = [p for p in policies if p not in ("oracle", "auto", "auto-warm", "auto-pred")]
+        worst = min(min(ratios["auto"][i] - max(ratios[p][i] for p in fixed) for i in range(len(data["runs"]))), 9)
         print(f"auto minus the best fixed drafter, worst prompt: {worst:+.2f}")
 
 
