@@ -31,12 +31,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from localspec.bench import EDITS, PROMPTS, STRUCTURED, load_prompts  # noqa: E402
 from localspec.calibrate import Costs  # noqa: E402
-from localspec.defaults import K_PREDICTION  # noqa: E402
+from localspec.defaults import K_AUTO, K_PREDICTION  # noqa: E402
 from localspec.drafters import AutoDrafter, Draft, NgramDrafter, Prediction  # noqa: E402
 
 HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
 SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED, "edit": EDITS}
-K = 16  # longest draft considered (auto's default k; with a prediction, K_PREDICTION)
+K = K_AUTO  # longest draft considered (auto's default bound; with a prediction, K_PREDICTION)
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
 
 
@@ -194,14 +194,15 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     if learned is not None:  # auto-warm: the same statistics, a fresh start on the output
         if learned:
             drafter, drafter.model, drafter.grammar, drafter.pending, drafter.run = learned[0], model, g, [], 0
-        learned.append(drafter)
+        else:
+            learned.append(drafter)
     if model is not None and (policy == "model4" or (policy.startswith("auto") and drafter.model_may_win(len(prompt)))):
         model.synced = len(prompt) - 1  # prefilled with the prompt, outside the timed generation (as in a run)
     if g is not None and drafter is not None and policy != "auto":
         from localspec.drafters import GrammarDrafter
 
         drafter = GrammarDrafter(g, drafter)  # as the engine wraps a fixed drafter under a grammar
-    k = K_PREDICTION if policy == "auto-pred" else 16 if policy in ("auto", "ngram16") else 4
+    k = K_PREDICTION if policy == "auto-pred" else K if policy in ("auto", "ngram16") else 4
     t, spent = 0, 0.0
     while t < n:
         ctx = seq[:len(prompt) + t]
@@ -247,10 +248,10 @@ def replay(a) -> None:
             share = (row["auto"] - 1) / (row["oracle"] - 1) if row["oracle"] > 1.001 else 1.0
             print(f"| {run['id']} | " + " | ".join(f"{row[p]:.2f}x" for p in policies) + f" | {share:.0%} |")
         g = {p: gm(ratios[p]) for p in policies}
-        print("| **geomean** | " + " | ".join(f"**{g[p]:.2f}x**" for p in policies) +
-              f" | {(g['auto'] - 1) / max(g['oracle'] - 1, 1e-9):.0%} |")
-        print(f"auto-warm (statistics learned from the output in advance) captures "
-              f"{(g['auto-warm'] - 1) / max(g['oracle'] - 1, 1e-9):.0%} of the ceiling's gain")
+        share = {p: (g[p] - 1) / max(g["oracle"] - 1, 1e-9) for p in ("auto", "auto-warm")}
+        print("| **geomean** | " + " | ".join(f"**{g[p]:.2f}x**" for p in policies) + f" | {share['auto']:.0%} |")
+        print(f"auto-warm (statistics learned from the output in advance) captures {share['auto-warm']:.0%} "
+              "of the ceiling's gain")
         fixed = [p for p in policies if p not in ("oracle", "auto", "auto-warm", "auto-pred")]
         worst = min(min(ratios["auto"][i] - max(ratios[p][i] for p in fixed) for i in range(len(data["runs"]))), 9)
         print(f"auto minus the best fixed drafter, worst prompt: {worst:+.2f}")
