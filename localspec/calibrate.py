@@ -29,7 +29,7 @@ from .sampling import SamplingParams, dist
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)  # verify batch sizes; costs in between are interpolated
 DEPTHS = (256, 1024)  # tokens cached while measuring; other depths are interpolated (and extrapolated) linearly
-FORMAT = 3  # bump when the cached files change shape
+FORMAT = 4  # bump when the cached files change shape or how they are measured
 FILL_BATCH = 32  # catching the draft's cache up is a batched decode: its cost per token is measured at this size
 
 
@@ -134,6 +134,21 @@ def _time_decode(model: Model, n: int) -> float:
     return elapsed
 
 
+def _time_plain(model: Model, n: int = 8) -> float:
+    """One token decoded n times in a row, as plain decoding runs (llama.cpp reuses the compute graph of
+    a batch the same shape as the last): the median step. A single token timed between batches of other
+    sizes pays a graph rebuild that plain decoding does not (measured 1-2 ms of ~33 on a 2-core EPYC),
+    which made plain decoding look dearer and speculation look better than it is."""
+    base = len(model.tokens)
+    times = []
+    for tok in model.tokens[-n:]:
+        t = time.perf_counter()
+        model.decode([tok], logits="all")
+        times.append(time.perf_counter() - t)
+    model.truncate(base)
+    return float(np.median(times))
+
+
 def _time_fill(model: Model, n: int) -> float:
     """A catch-up decode of n tokens (logits for the last only), as sync does it."""
     base = len(model.tokens)
@@ -159,7 +174,8 @@ def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None) -> C
     """Time verify batches on the target and single-token decodes on the draft (both caches end empty).
 
     Sizes are interleaved across `reps` passes and each keeps its fastest time, so a burst of other work on
-    the machine inflates one sample, not the curve; each curve is then made non-decreasing.
+    the machine inflates one sample, not the curve; each curve is then made non-decreasing. A batch of 1 is
+    timed as plain decoding runs, in a row (_time_plain); the batches a verify sends, after other sizes.
     """
     depths, sizes = plan(target.n_ctx, target.n_batch)
     verify, drafts, fills = [], [], []
@@ -169,7 +185,7 @@ def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None) -> C
         best = np.full(len(sizes), np.inf)
         for rep in range(reps):
             for i, n in enumerate(sizes):
-                best[i] = min(best[i], _time_decode(target, n))
+                best[i] = min(best[i], _time_plain(target) if n == 1 else _time_decode(target, n))
         verify.append(tuple(np.maximum.accumulate(best).tolist()))
         if log:
             mid = len(sizes) // 2
