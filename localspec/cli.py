@@ -94,8 +94,9 @@ def constraint_options(f):
     """Constrained output: at most one of these (see README, Structured output)."""
     opts = [
         click.option("--json-schema", "json_schema", metavar="FILE|JSON",
-                     help="Output valid JSON for this JSON Schema (a file, or the schema itself). Compact JSON "
-                          "unless the schema says \"x-guidance\": {\"whitespace_flexible\": true}."),
+                     help="Output valid JSON for this JSON Schema (a file, or the schema itself). One-line JSON "
+                          "('{\"a\": 1, \"b\": 2}') unless the schema says "
+                          "\"x-guidance\": {\"whitespace_flexible\": true}."),
         click.option("--json-object", "json_object", is_flag=True, default=None, help="Output any JSON object."),
         click.option("--grammar", "grammar", metavar="FILE", type=click.Path(exists=True, dir_okay=False),
                      help="Output text of this grammar: Lark (llguidance) or llama.cpp GBNF."),

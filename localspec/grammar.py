@@ -16,10 +16,15 @@ import numpy as np
 from .acceptance import Lazy
 from .errors import LocalspecError
 
-# Compact JSON (no optional whitespace), as OpenAI's structured outputs return it: the grammar then forces the
-# keys, quotes and punctuation, which become drafts. A schema opts out with "x-guidance": {"whitespace_flexible":
-# true} (llguidance applies these defaults, then the schema's own x-guidance).
-JSON_DEFAULTS = {"whitespace_flexible": False}
+# JSON on one line with a space after each ':' and ',' (as Python's json.dumps writes it), no other whitespace:
+# the grammar then forces the keys, quotes and punctuation, which become drafts. Not the tightest form,
+# '{"a":1,"b":2}': models write '": "' and ', "' as tokens of their own, and forced into the tightest form a
+# model's choices drift (Qwen2.5-Coder 1.5B on the shipped structured prompts: an empty list where three
+# people were named, a function's return type of '":["', a leading space in values; with the spaces its
+# answers carry the same data as with free whitespace on 7 of 8 prompts, and ~20% fewer tokens). A schema
+# opts out with "x-guidance": {"whitespace_flexible": true} (llguidance applies these defaults, then the
+# schema's own x-guidance).
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SPEC_CHARS = 1 << 20  # a schema, grammar or regex longer than 1 MiB is refused before compiling it
 
 

@@ -82,7 +82,7 @@ def test_json_schema_output_is_valid_and_ends_when_complete(smol_engine):
     r = free_and_constrained(smol_engine, "none", json_schema=PERSON)
     obj = json.loads(r.text)
     assert set(obj) == {"name", "age", "city"} and isinstance(obj["age"], int)
-    assert r.finish_reason == "stop" and r.text.startswith('{"name":')  # compact JSON by default
+    assert r.finish_reason == "stop" and r.text.startswith('{"name": "')  # one-line JSON by default
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)

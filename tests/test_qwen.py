@@ -111,6 +111,16 @@ def test_exact_constrained_speculation_equals_constrained_plain(exact_pair, draf
             assert spec.stats.accepted_forced > 0, (p["id"], drafter)
 
 
+def test_default_json_style_keeps_the_answer(exact_pair):
+    """The tightest JSON ('{"a":1}') forced on Qwen2.5-Coder made it answer '{"people":[]}' for a signature block
+    naming three people; with a space after ':' and ',' (the default) it lists all three, one line, valid."""
+    p = next(p for p in structured_prompts() if p["id"] == "extract-contacts")
+    r = plain_run(exact_pair, exact_pair.chat_tokens(p["messages"]), max_tokens=256, json_schema=p["schema"])
+    people = json.loads(r.text)["people"]
+    assert [x["name"] for x in people] == ["Dr. Helen Okafor", "Marcus Lindqvist", "Sofia Marino"]
+    assert "\n" not in r.text and r.text.startswith('{"people": [{"name": "')
+
+
 def test_exact_logprobs_of_a_speculative_run_equal_a_plain_runs(exact_pair):
     """The chosen token's and the top 5 log-probabilities, every position, every shipped prompt."""
     for messages in (json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines()):
