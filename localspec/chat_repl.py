@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -459,6 +460,10 @@ def run(llm: Engine, options: dict, *, system: str | None = None, show_draft: bo
     from .registry import home
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    if interactive:
+        # Ctrl-C stops a reply. A process started in the background by a shell without job control (a script's
+        # `cmd &`, nohup) inherits SIGINT ignored, and Python then leaves it ignored: take it back.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     screen = Screen(interactive=interactive, show_draft=show_draft)
     chat = Chat(llm, options, screen, system=system)
     reader = Prompt(home() / "chat_history") if interactive else Lines(sys.stdin)

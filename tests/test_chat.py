@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -49,9 +50,9 @@ def env(tmp_path):
                 LOCALSPEC_HOME=str(tmp_path / "home"))
 
 
-def spawn(smol, env, *extra, **kw):
+def spawn(smol, env, *extra, preexec_fn=None, **kw):
     child = pexpect.spawn(sys.executable, chat_args(smol, *extra, **kw), env=env, encoding="utf-8",
-                          timeout=90, dimensions=(50, 250))
+                          timeout=90, dimensions=(50, 250), preexec_fn=preexec_fn)
     child.logfile_read = io.StringIO()
     child.expect_exact(PROMPT)
     return child
@@ -102,7 +103,8 @@ def test_replies_equal_a_fresh_engine_and_the_second_turn_reuses_the_cache(smol_
 
 
 def test_ctrl_c_keeps_the_partial_reply_and_the_chat_goes_on(smol_path, env, tmp_path):
-    child = spawn(smol_path, env, max_tokens=400)
+    # started with SIGINT ignored, as a script's `cmd &` or nohup starts it (CI did): Ctrl-C still stops a reply
+    child = spawn(smol_path, env, max_tokens=400, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     u1 = {"role": "user", "content": "Write a long story about a brave knight and a dragon."}
     start = fresh(smol_path, [u1], max_tokens=6)[0].strip().splitlines()[0][:10]
     child.sendline(u1["content"])
