@@ -230,8 +230,9 @@ def replay(a) -> None:
         from localspec.model import Model, ModelConfig
 
         target = Model(data["target"], ModelConfig(n_ctx=512), vocab_only=True)
+    fixed = ["none", "ngram4", "ngram16"] + (["model4"] if any("draft" in r for r in data["runs"]) else [])
     policies = (["oracle", "auto", "auto-warm"] + (["auto-pred"] if any("prediction" in r for r in data["runs"]) else [])
-                + ["none", "ngram4", "ngram16"] + (["model4"] if any("draft" in r for r in data["runs"]) else []))
+                + fixed)
     gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
     for name in (list(curves) if a.costs == "all" else [a.costs, *(Path(f).stem for f in a.costs_file or ())]):
         costs = curves[name]
@@ -252,7 +253,6 @@ def replay(a) -> None:
         print("| **geomean** | " + " | ".join(f"**{g[p]:.2f}x**" for p in policies) + f" | {share['auto']:.0%} |")
         print(f"auto-warm (statistics learned from the output in advance) captures {share['auto-warm']:.0%} "
               "of the ceiling's gain")
-        fixed = [p for p in policies if p not in ("oracle", "auto", "auto-warm", "auto-pred")]
         worst = min(min(ratios["auto"][i] - max(ratios[p][i] for p in fixed) for i in range(len(data["runs"]))), 9)
         print(f"auto minus the best fixed drafter, worst prompt: {worst:+.2f}")
 
