@@ -184,14 +184,15 @@ class ModelDrafter:
         return q.sample(position_rng(self.seed, position, 1)), q
 
 
-def constrained(grammar, forced: list[int], rest: Draft) -> Draft:
-    """forced + rest, cut to what the grammar allows from its current state (forced drafts are point masses)
-    and after an end-of-generation token (nothing follows it)."""
-    tokens = forced + rest.tokens
+def constrained(grammar, forced: list[int], rest: Draft, guessed: Sequence[int] = ()) -> Draft:
+    """forced + guessed + rest, cut to what the grammar allows from its current state (forced and guessed
+    drafts are point masses) and after an end-of-generation token (nothing follows it)."""
+    lead = [*forced, *guessed]
+    tokens = lead + rest.tokens
     end = grammar.first_end(tokens)
     ok = min(grammar.validate(tokens[:end + 1]), end + 1)
-    q = None if rest.q is None else ([Dist.point(t) for t in forced] + rest.q)[:ok]
-    return Draft(tokens[:ok], q, forced=min(len(forced), ok), predicted=min(rest.predicted, max(ok - len(forced), 0)))
+    q = None if rest.q is None else ([Dist.point(t) for t in lead] + rest.q)[:ok]
+    return Draft(tokens[:ok], q, forced=min(len(forced), ok), predicted=min(rest.predicted, max(ok - len(lead), 0)))
 
 
 class GrammarDrafter:
@@ -282,8 +283,9 @@ class AutoDrafter:
     time it loses.
 
     Under a grammar, the tokens it forces open every draft, priced with their own learned acceptance (nearly
-    always accepted, yet a model may spell the same bytes otherwise), and a continuation is added where
-    that is expected to pay more.
+    always accepted, yet a model may spell the same bytes otherwise), then the token spelling the rest of
+    the forced bytes while the model has mostly written it (learned per token), and a continuation is added
+    where that is expected to pay more.
 
     One AutoDrafter serves one request and starts from the same priors every time: its decisions depend on
     the request alone, so the same request drafts the same way (and, at temperature 0, gives the same
@@ -313,6 +315,7 @@ class AutoDrafter:
         self.run = 0
         self.model_stats = AcceptanceStats(k_max, 0.7)
         self.forced_stats = AcceptanceStats(k_max, 0.95)
+        self.guess_stats: dict[int, AcceptanceStats] = {}  # by token: how often the model wrote each guess
         # a prediction is the client's own guess at the output: aligned with it, the output tends to follow it
         self.prediction_stats = {run: AcceptanceStats(k_max, prior) for run, prior in ((0, 0.5), (1, 0.7), (2, 0.9))}
         self.probe_every = 64
@@ -365,15 +368,27 @@ class AutoDrafter:
         depth = len(context)
         cost = self._cost(depth)
         forced = self.grammar.forced()[:n] if self.grammar is not None else []
-        f = len(forced)
-        rates = self.forced_stats.rates(f)
+        rates = self.forced_stats.rates(len(forced))
+        if forced:
+            self.pending.append((len(context), forced, self.forced_stats, 0))
+        # the token that spells the rest of the forced bytes, drafted while the model mostly writes it (' "'
+        # before a value, yes; '"}' where the model writes '"},', no): scored every time, like n-gram guesses
+        guess = self.grammar.spelled(forced) if self.grammar is not None and len(forced) < n else []
+        if guess:
+            stats = self.guess_stats.setdefault(guess[0], AcceptanceStats(1, 0.7))
+            self.pending.append((len(context) + len(forced), guess, stats, 0))
+            if stats.rates(1)[0] >= 0.5:
+                rates = np.concatenate([rates, stats.rates(1)])
+            else:
+                guess = []
+        f = len(forced) + len(guess)
         best = ("none", 0, self.MARGIN * self._plain(depth))
         if f:
-            self.pending.append((len(context), forced, self.forced_stats, 0))
             k, speed = _best(rates, cost, 0.0, self.row_cost, start=f)
             if speed > best[2]:
                 best = ("forced", f, speed)
-        ctx = [*context, *forced] if f else context
+        lead = forced + guess
+        ctx = [*context, *lead] if f else context
         cont, pcont = [], []
         if n > f:
             size, cont = self.ngram.lookup(ctx, n - f)
@@ -418,7 +433,7 @@ class AutoDrafter:
         elif name == "model":
             self.since_model = 0
             if self.grammar is not None:
-                self.grammar.consume(forced)
+                self.grammar.consume(lead)
             try:
                 rest = self.model.propose(ctx, k - f)
             finally:
@@ -426,4 +441,4 @@ class AutoDrafter:
                     self.grammar.rollback(f)
             if rest.tokens:
                 self.pending.append((len(ctx), rest.tokens, self.model_stats, 0))
-        return constrained(self.grammar, forced, rest) if self.grammar is not None else rest
+        return constrained(self.grammar, forced, rest, guess) if self.grammar is not None else rest

@@ -130,7 +130,7 @@ class Grammar:
         from llguidance import LLMatcher
 
         self.n_vocab = model.n_vocab
-        tok = tokenizer(model)
+        self.tok = tok = tokenizer(model)
         self.eog = frozenset(tok.eos_tokens)
         self.matcher = LLMatcher(tok, grammar, log_level=0, limits=_limits())
         self._check()
@@ -145,6 +145,19 @@ class Grammar:
         """Tokens the grammar allows as the only continuation from here (keys, quotes, punctuation)."""
         forced = list(self.matcher.compute_ff_tokens())
         return forced[:self.first_end(forced)]
+
+    def spelled(self, forced: Sequence[int]) -> list[int]:
+        """The token that spells the rest of the forced bytes past `forced` (empty when none), a guess.
+
+        llguidance's forced tokens stop where the forced bytes could still end inside a longer token: after a
+        key the bytes '": "' are forced but only the token '":', since ' "' might open a token that runs on
+        into the value. The tokenizer's own spelling of those bytes ends in a token the model may or may not
+        write (' "' before a value, yes; '"}' where it writes '"},', no)."""
+        spelled = self.tok.tokenize_bytes(bytes(self.matcher.compute_ff_bytes()))
+        if len(spelled) <= len(forced) or spelled[:len(forced)] != forced:
+            return []
+        ok = min(self.validate(spelled), self.first_end(spelled))
+        return spelled[len(forced):ok][:1]
 
     def first_end(self, tokens: Sequence[int]) -> int:
         """Where the first end-of-generation token is (len when none): the matcher never consumes the end."""

@@ -164,9 +164,13 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
         oracle_pred = Prediction(run["prediction"], len(prompt)) if run.get("prediction") else None
         for t in range(n):
             forced = g.forced()[:K] if g is not None else []
-            cont = lookup(seq[:len(prompt) + t] + forced, K - len(forced))[1] if len(forced) < K else []
-            cand = forced + cont
-            cands.append([(cand[:g.validate(cand)] if g is not None else cand, 0.0)])
+            guess = g.spelled(forced) if g is not None and len(forced) < K else []
+            cands.append([])
+            # what the grammar forces, with and without the token spelling the rest of its forced bytes
+            for lead in [forced] + ([forced + guess] if guess else []):
+                cont = lookup(seq[:len(prompt) + t] + lead, K - len(lead))[1] if len(lead) < K else []
+                cand = (lead + cont)[:K]
+                cands[-1].append((cand[:g.validate(cand)] if g is not None else cand, 0.0))
             if props is not None:  # the draft model's proposal, each token priced (catch-up ignored: a bound)
                 cands[-1].append((props[t][0], draft_step))
             if oracle_pred is not None:

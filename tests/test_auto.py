@@ -100,6 +100,37 @@ def test_draft_model_is_probed_now_and_then_and_less_often_when_it_loses():
     assert a.probe_every > 64
 
 
+class FakeGrammar:
+    """Forces tokens 1, 2 everywhere and spells the rest of its forced bytes as token 3."""
+
+    def forced(self):
+        return [1, 2]
+
+    def spelled(self, forced):
+        return [3]
+
+    def validate(self, tokens):
+        return len(tokens)
+
+    def first_end(self, tokens):
+        return len(tokens)
+
+    def consume(self, tokens):
+        pass
+
+    def rollback(self, n):
+        pass
+
+
+@pytest.mark.parametrize("written, kept", [(3, True), (9, False)])
+def test_the_spelled_guess_is_drafted_while_the_model_writes_it(written, kept):
+    a = auto(GPU, grammar=FakeGrammar())
+    d = a.propose([50, 51, 52], 8)
+    assert d.tokens[:3] == [1, 2, 3] and d.forced == 2  # the guess is drafted, but not counted as forced
+    d = a.propose([50, 51, 52, 1, 2, written], 8)
+    assert (d.tokens[2:3] == [3]) == kept
+
+
 def test_draft_model_is_never_probed_where_it_could_not_win():
     """On the second AMD host of MODELS.md a verify of 17 costs ~9 decodes: even a perfect draft model loses."""
     model = FakeModelDrafter([7] * 16)

@@ -94,6 +94,18 @@ def test_constrained_speculation_equals_constrained_plain(smol_engine, drafter):
         assert spec.stats.drafted_forced > 0 and spec.stats.accepted_forced > 0
 
 
+def test_the_rest_of_the_forced_bytes_is_spelled_as_a_guess(smol_engine):
+    """After a key the grammar forces '": "'; llguidance's forced tokens stop at '":' (' "' could open a longer
+    token): the tokenizer's spelling of the rest is offered as a guess, which auto drafts while it holds."""
+    g = Grammar(smol_engine.target, compile_spec(json_schema=PERSON))
+    forced = g.forced()
+    guess = g.spelled(forced)
+    assert smol_engine.target.detokenize(forced) == '{"name":'
+    assert smol_engine.target.detokenize(guess) == ' "' and len(guess) == 1
+    g.consume(forced + guess)
+    assert g.forced() == [] and g.spelled([]) == []  # inside the value: nothing forced
+
+
 def test_forbidden_drafts_never_reach_the_target(smol_engine, monkeypatch):
     """validate_tokens cuts a draft first: every draft verified is a valid continuation of what was emitted."""
     import localspec.engine as engine
