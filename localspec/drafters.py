@@ -377,10 +377,8 @@ class AutoDrafter:
         if guess:
             stats = self.guess_stats.setdefault(guess[0], AcceptanceStats(1, 0.7))
             self.pending.append((len(context) + len(forced), guess, stats, 0))
-            if stats.rates(1)[0] >= 0.5:
-                rates = np.concatenate([rates, stats.rates(1)])
-            else:
-                guess = []
+            rate = stats.rates(1)
+            rates, guess = (np.concatenate([rates, rate]), guess) if rate[0] >= 0.5 else (rates, [])
         f = len(forced) + len(guess)
         best = ("none", 0, self.MARGIN * self._plain(depth))
         if f:
