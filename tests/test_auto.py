@@ -78,6 +78,27 @@ def test_learns_from_what_actually_follows_even_when_not_drafting():
     assert len(a.propose(ctx + list(range(100, 104)), 16).tokens) > len(first.tokens)
 
 
+def test_guesses_the_context_disagrees_on_are_judged_apart():
+    """A match whose earlier occurrences went on differently (a JSON key whose value changes from record to
+    record) is learned apart from clean copies: its failures leave the copies' statistics alone."""
+    a = auto(CPU)
+    record = [7, 8, 9]  # a record's key, then its value
+    ctx = list(range(100, 140)) + record + [1, 2] + record + [3, 4] + record + [5, 6]  # the value differs each time
+    for t in range(100, 130):  # a long quote of the prompt, learned as it goes
+        a.propose(ctx, 16)
+        ctx.append(t)
+    assert a.propose(ctx, 16).tokens  # the copy is drafted
+    for _ in range(20):  # then records whose values never repeat: the key's guess fails every time
+        ctx += record
+        assert a.propose(ctx, 16).tokens == []
+        ctx += [200 + len(ctx), 300 + len(ctx)]
+    a.propose(ctx, 16)
+    tried = {key: s for key, s in a.ngram_stats.items() if s.tried[0] > 0.5}
+    assert any(origin == "split" and s.tried[0] > 10 and s.rates(1)[0] < 0.2 for (_, _, origin), s in tried.items())
+    # the copies' statistics saw one failure at most (where the quote ended), not the keys' twenty
+    assert all(s.tried[0] - s.accepted[0] < 1.5 for (_, _, origin), s in tried.items() if origin != "split")
+
+
 def test_draft_model_wins_where_verification_is_nearly_free():
     model = FakeModelDrafter(list(range(16)))
     a = auto(GPU, model)

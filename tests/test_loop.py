@@ -111,6 +111,15 @@ def test_ngram_drafter_proposes_continuation_of_latest_match():
     assert d.propose([1, 2, 3, 4], 3).tokens == []
 
 
+def test_ngram_lookup_says_where_its_guess_comes_from_and_whether_the_context_disagrees():
+    d = NgramDrafter(n_min=1, n_max=3)
+    m = d.lookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3], 2)
+    assert m == (3, [5, 7], True, 8)  # "1 2 3" was followed by 4, then by 5: split; the latest starts at 8
+    m = d.lookup([1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 1, 2, 3], 2)
+    assert (m.tokens, m.split) == ([4, 7], False)  # both occurrences agree
+    assert d.lookup([1, 2], 2) == (0, [], False, 0)
+
+
 def test_stream_stop_string_and_stats():
     target = counting()
     facts = speculate(target, None, Scripted([[1, 2, 3, 4]] * 5), [0], max_tokens=20, k=4, rule="greedy",
