@@ -80,11 +80,11 @@ class Match(NamedTuple):
     the tokens start in the context."""
     size: int
     tokens: list[int]
-    split: bool = False
-    at: int = 0
+    split: bool
+    at: int
 
 
-NO_MATCH = Match(0, [])
+NO_MATCH = Match(0, [], False, 0)
 
 
 class NgramDrafter:

@@ -168,7 +168,7 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
             cands.append([])
             # what the grammar forces, with and without the token spelling the rest of its forced bytes
             for lead in [forced] + ([forced + guess] if guess else []):
-                cont = lookup(seq[:len(prompt) + t] + lead, K - len(lead))[1] if len(lead) < K else []
+                cont = lookup(seq[:len(prompt) + t] + lead, K - len(lead)).tokens if len(lead) < K else []
                 cand = lead + cont
                 cands[-1].append((cand[:g.validate(cand)] if g is not None else cand, 0.0))
             if props is not None:  # the draft model's proposal, each token priced (catch-up ignored: a bound)
