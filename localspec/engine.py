@@ -21,7 +21,7 @@ import numpy as np
 from . import acceptance, defaults
 from .acceptance import Lazy
 from .drafters import (EMPTY, AutoDrafter, Draft, Drafter, GrammarDrafter, HybridDrafter, ModelDrafter, NgramDrafter,
-                       NoDrafter, Prediction)
+                       NoDrafter, Prediction, token_kinds)
 from .errors import LocalspecError
 from .grammar import Grammar, Unconstrained, compile_spec
 from .model import Cancelled, Model
@@ -456,6 +456,7 @@ class Engine:
         self.name = name or target.path.stem
         self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
         self._costs = None
+        self._kinds = None
         self._lock = threading.RLock()
 
     # -- prompts --
@@ -528,6 +529,14 @@ class Engine:
                 self._costs = load_or_measure(self.target, self.draft, home() / "calibration", force=force)
         return self._costs
 
+    def token_kinds(self):
+        """Each target token's kind (drafters.token_kinds): built on first use (~0.5 s for 150k tokens), kept."""
+        if self._kinds is None:
+            with self._lock:
+                if self._kinds is None:
+                    self._kinds = token_kinds(self.target.piece(t) for t in range(self.target.n_vocab))
+        return self._kinds
+
     def _prediction(self, req: Request, tokens: list[int], notes: list[str]) -> Prediction | None:
         if req.prediction is None:
             return None
@@ -576,7 +585,8 @@ class Engine:
             notes.append(f"the draft model stands aside: {why}")
         if name == "auto":
             auto = AutoDrafter(self.calibration(), NgramDrafter(n_min=1, n_max=8), model if fits else None,
-                               sample_rows=not req.sampling.greedy, grammar=grammar, prediction=prediction)
+                               sample_rows=not req.sampling.greedy, grammar=grammar, prediction=prediction,
+                               kinds=self.token_kinds())
             # Where the draft model cannot pay on this machine even if always right (most CPUs), its cache is
             # left alone; where it can, it is prefilled with the prompt, so drafting never waits for that.
             return name, auto, fits and auto.model_may_win(len(tokens))

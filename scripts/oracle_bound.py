@@ -20,6 +20,7 @@ cost per token measured by the calibration; a quarter of a draft step on curves 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from localspec.bench import EDITS, PROMPTS, STRUCTURED, load_prompts  # noqa: E402
 from localspec.calibrate import Costs  # noqa: E402
 from localspec.defaults import K_AUTO, K_PREDICTION  # noqa: E402
-from localspec.drafters import AutoDrafter, Draft, NgramDrafter, Prediction  # noqa: E402
+from localspec.drafters import AutoDrafter, Draft, NgramDrafter, Prediction, token_kinds  # noqa: E402
 
 HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
 SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED, "edit": EDITS}
@@ -190,9 +191,10 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     model = (Recorded(props, len(prompt), 0.75, costs.fill_cost(len(prompt)), draft_step)
              if props is not None else None)
     pred = Prediction(run["prediction"], len(prompt)) if run.get("prediction") else None
-    drafter = {"auto": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g),
+    kinds = _kinds(target) if target is not None else None
+    drafter = {"auto": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g, kinds=kinds),
                "auto-pred": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g,
-                                                prediction=pred),
+                                                prediction=pred, kinds=kinds),
                "none": lambda: None, "ngram4": lambda: NgramDrafter(), "ngram16": lambda: NgramDrafter(),
                "model4": lambda: model}[policy]()
     if learned is not None:  # auto-warm: the same statistics, a fresh start on the output
@@ -220,6 +222,11 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     return spent + (model.spent if model is not None else 0.0)
 
 
+@functools.cache
+def _kinds(target) -> np.ndarray:
+    return token_kinds(target.piece(t) for t in range(target.n_vocab))  # as the engine builds them
+
+
 def _from_model(auto) -> bool:
     return bool(auto.pending) and auto.pending[-1][2] is auto.model_stats and auto.since_model == 0
 
@@ -229,11 +236,10 @@ def replay(a) -> None:
     curves = {"host": Costs.from_dict(data["costs"])} | CURVES
     for f in a.costs_file or ():
         curves[Path(f).stem] = Costs.from_dict(json.loads(Path(f).read_text()))
-    target = None
-    if any(r.get("schema") for r in data["runs"]):
-        from localspec.model import Model, ModelConfig
+    from localspec.model import Model, ModelConfig
 
-        target = Model(data["target"], ModelConfig(n_ctx=512), vocab_only=True)
+    # the target's vocabulary: auto judges n-gram guesses by their tokens' kinds, grammars need it
+    target = Model(data["target"], ModelConfig(n_ctx=512), vocab_only=True)
     fixed = ["none", "ngram4", "ngram16"] + (["model4"] if any("draft" in r for r in data["runs"]) else [])
     policies = (["oracle", "auto", "auto-warm"] + (["auto-pred"] if any("prediction" in r for r in data["runs"]) else [])
                 + fixed)

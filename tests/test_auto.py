@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from localspec.calibrate import Costs, load_or_measure, measure, plan
-from localspec.drafters import AutoDrafter, Draft, NgramDrafter
+from localspec.drafters import NEWLINE, PUNCT, WORD, AutoDrafter, Draft, KindOdds, NgramDrafter
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
 
@@ -283,3 +283,37 @@ def test_each_request_starts_from_the_same_priors():
     ctx = list(REPEATING[:50])
     assert [len(fresh.propose(ctx[:i], 16).tokens) for i in range(5, 50)] == \
         [len(again.propose(ctx[:i], 16).tokens) for i in range(5, 50)]
+
+
+def test_kind_odds_start_neutral_and_learn_which_kinds_of_token_guesses_miss():
+    odds = KindOdds()
+    rates = np.array([0.3, 0.6, 0.9])
+    assert np.allclose(odds.adjust(rates, np.array([WORD, PUNCT, NEWLINE])), rates)  # nothing learned: as given
+    for _ in range(30):
+        odds.update(np.array([WORD, WORD, PUNCT]), 2, final=True)  # the words copied, the punctuation not
+    word, punct = odds.adjust(np.array([0.6, 0.6]), np.array([WORD, PUNCT]))
+    assert word > 0.6 > punct and punct < 0.3
+
+
+def test_guesses_are_also_judged_by_the_kind_of_token_they_hold():
+    """Values copied from the prompt into JSON: the words are copied, the prompt's punctuation after them
+    is not (the output writes its own). Learned per origin over every guess, so a guess runs up to the
+    prompt's punctuation and stops there; judged by position alone it stops short (records differ in length)."""
+    kinds = np.full(2000, WORD, dtype=np.int8)
+    kinds[50:90] = PUNCT
+    words = [[100 + 10 * i + j for j in range(2 + i % 4)] for i in range(40)]  # records of 2 to 5 words
+    prompt = [t for i in range(40) for t in (*words[i], 50 + i)]  # "w w w ,"
+    drafts = {}
+    for with_kinds in (True, False):
+        a = auto(CPU, kinds=kinds if with_kinds else None)
+        ctx = list(prompt)
+        for i in range(30):  # the output copies each record's words, then writes its own punctuation
+            for t in (*words[i], 1500 + i):
+                a.propose(ctx, 16)
+                ctx.append(t)
+        drafts[with_kinds] = a.propose(ctx + words[35][:1], 16).tokens
+        if with_kinds:
+            tried, accepted = a.kind_odds["prompt"].tried, a.kind_odds["prompt"].accepted
+            assert accepted[WORD] / tried[WORD] > 0.9 and accepted[PUNCT] / tried[PUNCT] < 0.1
+    assert drafts[True] == words[35][1:]  # every word of the record, not the prompt's ',' after them
+    assert len(drafts[False]) < len(drafts[True])  # by position alone the record's end is unknown: cut early
