@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from localspec.calibrate import Costs, load_or_measure, measure, plan
-from localspec.drafters import NEWLINE, PUNCT, WORD, AutoDrafter, Draft, KindOdds, NgramDrafter
+from localspec.drafters import NEWLINE, PUNCT, WORD, AutoDrafter, Draft, KindOdds, NgramDrafter, token_kinds
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
 
@@ -317,3 +317,8 @@ def test_guesses_are_also_judged_by_the_kind_of_token_they_hold():
             assert accepted[WORD] / tried[WORD] > 0.9 and accepted[PUNCT] / tried[PUNCT] < 0.1
     assert drafts[True] == words[35][1:]  # every word of the record, not the prompt's ',' after them
     assert len(drafts[False]) < len(drafts[True])  # by position alone the record's end is unknown: cut early
+
+
+def test_token_kinds_from_bytes():
+    pieces = [b"hello", b" 42", b", ", b'"}', b"\n", b"  ", b"\xe4\xb8", "é".encode(), b""]
+    assert token_kinds(pieces).tolist() == [WORD, WORD, PUNCT, PUNCT, NEWLINE, PUNCT, PUNCT, WORD, PUNCT]

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import localspec
+from localspec import engine
 from localspec.engine import Round, speculate
-from localspec.drafters import ModelDrafter
+from localspec.drafters import NEWLINE, PUNCT, WORD, AutoDrafter, ModelDrafter
 from localspec.model import Model, ModelConfig, ModelError
 from localspec.sampling import SamplingParams
 
@@ -194,3 +195,14 @@ def test_one_target_decode_per_round_with_k_plus_1_logit_rows(smol_engine, monke
     assert len(verify_calls) == s.stats.rounds
     assert all(n_tokens == n_logits for n_tokens, n_logits in verify_calls)  # k+1 tokens, k+1 rows
     assert max(n for n, _ in verify_calls) == 5
+
+
+def test_auto_reads_each_tokens_kind_from_the_targets_vocabulary(smol_engine, monkeypatch):
+    kinds = smol_engine.token_kinds()
+    assert len(kinds) == smol_engine.target.n_vocab and smol_engine.token_kinds() is kinds  # built once
+    word, comma, newline = (smol_engine.tokenize(t, add_special=False)[0] for t in ("Hello", ",", "\n"))
+    assert (kinds[word], kinds[comma], kinds[newline]) == (WORD, PUNCT, NEWLINE)
+    seen = []
+    monkeypatch.setattr(engine, "AutoDrafter", lambda *a, **kw: seen.append(kw["kinds"]) or AutoDrafter(*a, **kw))
+    smol_engine.generate("Once upon a time", max_tokens=4, drafter="auto")
+    assert seen and seen[0] is kinds
