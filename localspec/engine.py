@@ -21,7 +21,7 @@ import numpy as np
 from . import acceptance, defaults
 from .acceptance import Lazy
 from .drafters import (EMPTY, AutoDrafter, Draft, Drafter, GrammarDrafter, HybridDrafter, ModelDrafter, NgramDrafter,
-                       NoDrafter, Prediction, token_kinds)
+                       NoDrafter, Prediction, vocab_kinds)
 from .errors import LocalspecError
 from .grammar import Grammar, Unconstrained, compile_spec
 from .model import Cancelled, Model
@@ -456,7 +456,6 @@ class Engine:
         self.name = name or target.path.stem
         self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
         self._costs = None
-        self._kinds = None
         self._lock = threading.RLock()
 
     # -- prompts --
@@ -530,12 +529,8 @@ class Engine:
         return self._costs
 
     def token_kinds(self):
-        """Each target token's kind (drafters.token_kinds): built on first use (~0.5 s for 150k tokens), kept."""
-        if self._kinds is None:
-            with self._lock:
-                if self._kinds is None:
-                    self._kinds = token_kinds(self.target.piece(t) for t in range(self.target.n_vocab))
-        return self._kinds
+        """Each target token's kind (drafters.vocab_kinds), as auto reads them."""
+        return vocab_kinds(self.target)
 
     def _prediction(self, req: Request, tokens: list[int], notes: list[str]) -> Prediction | None:
         if req.prediction is None:

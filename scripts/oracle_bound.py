@@ -20,7 +20,6 @@ cost per token measured by the calibration; a quarter of a draft step on curves 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from localspec.bench import EDITS, PROMPTS, STRUCTURED, load_prompts  # noqa: E402
 from localspec.calibrate import Costs  # noqa: E402
 from localspec.defaults import K_AUTO, K_PREDICTION  # noqa: E402
-from localspec.drafters import AutoDrafter, Draft, NgramDrafter, Prediction, token_kinds  # noqa: E402
+from localspec.drafters import AutoDrafter, Draft, NgramDrafter, Prediction, vocab_kinds  # noqa: E402
 
 HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
 SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED, "edit": EDITS}
@@ -191,7 +190,7 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     model = (Recorded(props, len(prompt), 0.75, costs.fill_cost(len(prompt)), draft_step)
              if props is not None else None)
     pred = Prediction(run["prediction"], len(prompt)) if run.get("prediction") else None
-    kinds = _kinds(target) if target is not None else None
+    kinds = vocab_kinds(target) if target is not None else None  # as the engine gives them
     drafter = {"auto": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g, kinds=kinds),
                "auto-pred": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g,
                                                 prediction=pred, kinds=kinds),
@@ -220,11 +219,6 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
             g.consume(out[t:t + gained])
         t, spent = t + gained, spent + c(len(d.tokens) + 1, t)
     return spent + (model.spent if model is not None else 0.0)
-
-
-@functools.cache
-def _kinds(target) -> np.ndarray:
-    return token_kinds(target.piece(t) for t in range(target.n_vocab))  # as the engine builds them
 
 
 def _from_model(auto) -> bool:
