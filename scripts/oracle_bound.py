@@ -15,7 +15,7 @@ A draft-model round also pays for catching the draft's cache up over the tokens 
 cost per token measured by the calibration; a quarter of a draft step on curves that lack it).
 
     python scripts/oracle_bound.py record --prompts shipped --out runs.json [--draft-proposals] [--threads 2]
-    python scripts/oracle_bound.py replay runs.json [--costs host|amd1|amd2|intel|all]
+    python scripts/oracle_bound.py replay runs.json [--costs host|amd1|amd2|intel|zen1|all]
 """
 from __future__ import annotations
 
@@ -40,20 +40,25 @@ K = K_AUTO  # longest draft considered (auto's default bound; with a prediction,
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
 
 
-def curve(points: dict[int, float], draft_ms: float, per_row_ms: float = 0.0) -> Costs:
+def curve(points: dict[int, float], draft_ms: float, per_row_ms: float = 0.0, fill_ms: float | None = None) -> Costs:
     """A cost curve measured at one depth: ms per target decode of n tokens -> Costs."""
     ns, ms = zip(*sorted(points.items()))
     verify = np.interp(SIZES, ns, ms) + per_row_ms * (np.array(SIZES) - 1)
-    return Costs(SIZES, (256,), (tuple(verify / 1e3),), (draft_ms / 1e3,), 0.0)
+    return Costs(SIZES, (256,), (tuple(verify / 1e3),), (draft_ms / 1e3,), 0.0,
+                 (fill_ms / 1e3,) if fill_ms is not None else None)
 
 
 # ../shared/MODELS.md. amd1 is llama-bench's pp-n (logits for the last row only) plus 3.6 ms per other row,
-# as measured per row in a 16-row batch on an AMD host; amd2 and intel are localspec's calibration.
+# as measured per row in a 16-row batch on an AMD host; amd2 and intel are localspec's calibration. zen1 is
+# localspec's calibration on a third host of the same machine kind (2026-12-01): an AMD EPYC of the first
+# generation (family 23 model 1, AVX2, no AVX-512), where a decode takes 97 ms and a 2-token verify 1.7 of it.
 CURVES = {
     "amd1": curve({1: 29, 2: 38, 4: 63, 6: 90, 8: 106, 16: 119, 32: 211}, 16.0, per_row_ms=3.6),
     "amd2": curve({1: 34.7, 2: 61.0, 5: 118, 9: 233, 17: 325, 33: 504}, 20.8),
     "intel": curve({1: 68, 2: 100, 3: 130, 5: 141, 6: 169, 8: 208, 10: 248, 12: 260, 14: 300, 17: 308, 24: 398,
                     33: 493}, 31.5),
+    "zen1": curve({1: 97.4, 2: 169.5, 3: 243.3, 4: 321.8, 5: 392.3, 6: 464.5, 8: 749.4, 10: 851.0, 12: 968.3,
+                   14: 1069.4, 17: 1259.2, 24: 1646.1, 33: 2154.4}, 48.6, fill_ms=22.09),
 }
 
 
@@ -276,7 +281,8 @@ def main() -> None:
     p = sub.add_parser("replay", help="the ceiling, auto and the fixed drafters over recorded outputs")
     p.add_argument("file")
     p.add_argument("--costs", default="host", choices=["host", *CURVES, "all"],
-                   help="host: the costs recorded with the outputs; amd1/amd2/intel: MODELS.md's hosts")
+                   help="host: the costs recorded with the outputs; amd1/amd2/intel: MODELS.md's hosts; zen1: a "
+                        "first-generation EPYC (AVX2 only)")
     p.add_argument("--costs-file", action="append", metavar="JSON",
                    help="also replay with costs from this file (a calibration cache file, or the GPU script's "
                         "costs.json); repeatable")

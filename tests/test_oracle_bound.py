@@ -31,14 +31,14 @@ def test_record_then_replay_bounds_every_policy(smol_path, tmp_path):
     assert "draft" in data["runs"][0] and "draft" not in data["runs"][1]   # no proposals under a grammar
     out = subprocess.run([sys.executable, str(SCRIPT), "replay", str(rec), "--costs", "all"], check=True,
                          capture_output=True, text=True, timeout=600).stdout
-    assert out.count("## costs:") == 4
+    assert out.count("## costs:") == 5   # host, amd1, amd2, intel, zen1
     header = next(line for line in out.splitlines() if line.startswith("| prompt |"))
     cols = [c.strip() for c in header.strip("|").split("|")]
     assert cols[:4] == ["prompt", "oracle", "auto", "auto-warm"] and "model4" in cols
     rows = [line for line in out.splitlines() if line.startswith(("| repeat", "| json"))]
-    assert len(rows) == 8
+    assert len(rows) == 10
     for line in rows:
         ratio = dict(zip(cols[1:], (float(x) for x in re.findall(r"(\d+\.\d+)x", line))))
         assert ratio["none"] == 1.0
         assert ratio["oracle"] >= max(ratio["auto"], ratio["auto-warm"], 1.0) - 1e-9, line
-    assert out.count("auto-warm (statistics learned from the output in advance) captures") == 4
+    assert out.count("auto-warm (statistics learned from the output in advance) captures") == 5
