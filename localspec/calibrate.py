@@ -2,8 +2,8 @@
 
 Costs: the target's verify time by batch size at two context depths, the draft's time per token, and the
 time to turn a logit row into a sampling distribution. Measured once per machine, build, model files and
-settings (about half a minute), then cached as JSON under $LOCALSPEC_HOME/calibration; `localspec calibrate`
-shows them and `--force` measures again.
+settings (half a minute on a recent 2-core CPU, a few minutes on a slow one), then cached as JSON under
+$LOCALSPEC_HOME/calibration; `localspec calibrate` shows them and `--force` measures again.
 
 Exactness: whether single-token and batched logits are bit-identical depends on the CPU's kernels and the
 llama.cpp build (an AMD EPYC host needed flash attention on, an Intel Xeon host needed it off and a build
@@ -242,7 +242,7 @@ def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, forc
         except (KeyError, TypeError, ValueError):
             pass
     print(f"localspec: measuring speculation costs on this machine for {target.path.name} "
-          "(once; about half a minute)", file=sys.stderr, flush=True)
+          "(once; half a minute to a few minutes, by the CPU)", file=sys.stderr, flush=True)
     costs = measure(target, draft, log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     _write(path, asdict(costs))
     return costs

@@ -11,9 +11,10 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 
-def pad_vocab(src: Path, dst: Path, extra: int) -> Path:
+def pad_vocab(src: Path, dst: Path, extra: int, rows_of: list[int] | None = None) -> Path:
     """A copy of src with `extra` unused tokens appended, and zero rows for them in the embedding (and output)
-    matrices: the model computes what it did, and the new ids get logit 0."""
+    matrices: the model computes what it did, and the new ids get logit 0. With rows_of, the new ids take
+    those tokens' rows instead (in turn), so they get those tokens' logits."""
     r = GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
     w = GGUFWriter(dst, arch)
@@ -35,7 +36,9 @@ def pad_vocab(src: Path, dst: Path, extra: int) -> Path:
     for t in r.tensors:
         data = np.asarray(t.data)
         if t.name in ("token_embd.weight", "output.weight"):
-            data = np.concatenate([data, np.zeros((extra, data.shape[1]), dtype=data.dtype)])
+            new = (data[[rows_of[i % len(rows_of)] for i in range(extra)]] if rows_of
+                   else np.zeros((extra, data.shape[1]), dtype=data.dtype))
+            data = np.concatenate([data, new])
         w.add_tensor(t.name, data, raw_dtype=t.tensor_type)  # quantized rows travel as their bytes
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -44,7 +44,9 @@ class Server:
                 [sys.executable, "-m", "localspec.cli", "serve", "--target", model_path, "--draft", model_path,
                  "--n-ctx", "1024", *(() if fast else ("--exact",)), "--port", str(self.port), *args],
                 stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, NO_COLOR="1"))
-        deadline = time.monotonic() + 120
+        # the first start on a machine measures its speculation costs (a few minutes on a slow CPU: ~3 for the
+        # Qwen pair on a first-generation EPYC), then they are cached
+        deadline = time.monotonic() + 600
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")

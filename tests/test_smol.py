@@ -15,9 +15,15 @@ from localspec.sampling import SamplingParams
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
 
 
-def test_self_draft_accepts_every_drafted_token(smol_engine):
-    r = smol_engine.generate(smol_engine.chat_tokens(MESSAGES), max_tokens=48, temperature=0, drafter="model",
-                             k=4, p_min=0.0)
+def test_self_draft_accepts_every_drafted_token(smol_engine, smol_path):
+    """A draft that computes the target's very logits has every token accepted. exact=True makes only the
+    target batch-invariant (with the flash-attention setting its probe chose on this machine); the draft gets
+    the same setting and no weight repacking here, or a near-tie may go the other way (it did on a
+    first-generation EPYC, where the probe chose flash attention on and the draft ran with it off)."""
+    fa = smol_engine.target.flash_attn
+    with localspec.load(target=smol_path, draft=smol_path, n_ctx=1024, exact=True, flash_attn_draft=fa,
+                        draft_kwargs={"use_extra_bufts": False, "n_ubatch": 32}) as llm:
+        r = llm.generate(llm.chat_tokens(MESSAGES), max_tokens=48, temperature=0, drafter="model", k=4, p_min=0.0)
     s = r.stats
     assert s.drafted > 0 and s.accepted == s.drafted
     assert s.accepted_at[0] == s.drafting_rounds and s.accepted_at[-1] > 0
