@@ -41,13 +41,13 @@ def plain_run(llm, prompt: list[int], **options):
 DRAFTERS = ("model", "ngram", "hybrid", "auto")
 
 
-@pytest.mark.parametrize("prompt_id", PROMPT_IDS)
-def test_exact_speculative_greedy_equals_plain(exact_pair, prompt_id):
-    prompt = exact_pair.chat_tokens(prompt_messages()[PROMPT_IDS.index(prompt_id)])
+@pytest.mark.parametrize("messages", prompt_messages(), ids=PROMPT_IDS)
+def test_exact_speculative_greedy_equals_plain(exact_pair, messages):
+    prompt = exact_pair.chat_tokens(messages)
     plain = plain_run(exact_pair, prompt, max_tokens=64)
     for drafter in DRAFTERS:
         spec = exact_pair.generate(prompt, max_tokens=64, temperature=0, drafter=drafter, k=4, p_min=0.0)
-        assert spec.tokens == plain.tokens, (prompt_id, drafter)
+        assert spec.tokens == plain.tokens, (messages[-1]["content"][:40], drafter)
         assert spec.stats.drafted > 0 or drafter in ("ngram", "auto")
 
 
@@ -103,13 +103,9 @@ def structured_prompts():
     return load_prompts(os.path.join(os.path.dirname(localspec.__file__), "structured_prompts.jsonl"))
 
 
-STRUCTURED_IDS = [p["id"] for p in structured_prompts()]
-
-
-@pytest.mark.parametrize("prompt_id", STRUCTURED_IDS)
-def test_exact_constrained_speculation_equals_constrained_plain(exact_pair, prompt_id):
+@pytest.mark.parametrize("p", structured_prompts(), ids=lambda p: p["id"])
+def test_exact_constrained_speculation_equals_constrained_plain(exact_pair, p):
     """Structured output is lossless: every shipped structured prompt, its schema, each drafter."""
-    p = structured_prompts()[STRUCTURED_IDS.index(prompt_id)]
     prompt = exact_pair.chat_tokens(p["messages"])
     plain = plain_run(exact_pair, prompt, max_tokens=48, json_schema=p["schema"])
     for drafter in DRAFTERS:
