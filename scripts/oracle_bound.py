@@ -35,7 +35,8 @@ from localspec.defaults import K_AUTO, K_PREDICTION  # noqa: E402
 from localspec.drafters import AutoDrafter, Draft, NgramDrafter, Prediction, vocab_kinds  # noqa: E402
 
 HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
-SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED, "edit": EDITS}
+SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED,
+        "holdout-structured": Path(__file__).with_name("holdout_structured.jsonl"), "edit": EDITS}
 K = K_AUTO  # longest draft considered (auto's default bound; with a prediction, K_PREDICTION)
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
 
@@ -273,7 +274,8 @@ def main() -> None:
     r.add_argument("--pair")
     r.add_argument("--target")
     r.add_argument("--draft")
-    r.add_argument("--prompts", default="shipped", help="shipped, holdout, structured, or a JSONL file")
+    r.add_argument("--prompts", default="shipped",
+                   help="shipped, holdout, structured, holdout-structured, edit, or a JSONL file")
     r.add_argument("--out", required=True)
     r.add_argument("--max-tokens", type=int, default=256)
     r.add_argument("--threads", type=int)

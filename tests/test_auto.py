@@ -152,6 +152,38 @@ def test_the_spelled_guess_is_drafted_while_the_model_writes_it(written, kept):
     assert (d.tokens[2:3] == [3]) == kept
 
 
+class FreeGrammar(FakeGrammar):
+    """A grammar that forces nothing (inside a JSON string value)."""
+
+    def forced(self):
+        return []
+
+    def spelled(self, forced):
+        return []
+
+
+def test_under_a_grammar_a_value_copied_from_the_prompt_is_drafted_from_its_first_tokens():
+    """Extraction copies its values from the prompt: under a grammar a prompt copy starts from the rates measured
+    on held-out extraction prompts; without one, from code's (where a 2-token match in the prompt says little)."""
+    kinds = np.full(2000, WORD, dtype=np.int8)
+    prompt = list(range(100, 130))
+    drafted = {}
+    for grammar in (None, FreeGrammar()):
+        a = auto(CPU, grammar=grammar, kinds=kinds)
+        a.propose(prompt + [500], 16)  # the output starts
+        drafted[grammar is not None] = a.propose(prompt + [500, 110, 111], 16).tokens
+    assert drafted == {False: [], True: drafted[True]} and drafted[True][:2] == [112, 113]
+
+
+def test_kind_odds_can_start_from_measured_rates():
+    odds = KindOdds((0.92, 0.46, None))  # words copied from the prompt, its punctuation mostly not
+    word, punct, newline = odds.adjust(np.array([0.7, 0.7, 0.7]), np.array([WORD, PUNCT, NEWLINE]))
+    assert word > 0.8 and punct < 0.65 and newline == pytest.approx(0.7)  # no rate for line breaks: as given
+    for _ in range(300):
+        odds.update(np.array([PUNCT]), 1, final=True)  # here the punctuation is copied: the prior is forgotten
+    assert odds.adjust(np.array([0.7]), np.array([PUNCT]))[0] > 0.7
+
+
 def test_draft_model_is_never_probed_where_it_could_not_win():
     """On the second AMD host of MODELS.md a verify of 17 costs ~9 decodes: even a perfect draft model loses."""
     model = FakeModelDrafter([7] * 16)

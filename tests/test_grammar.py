@@ -106,6 +106,25 @@ def test_the_rest_of_the_forced_bytes_is_spelled_as_a_guess(smol_engine):
     assert g.forced() == [] and g.spelled([]) == []  # inside the value: nothing forced
 
 
+def test_a_guess_the_tokenizer_would_never_write_is_not_offered(smol_engine):
+    """' [' opening an array of objects always merges with what follows (' [{'), ' ' before true or false too
+    (' true'): a model writes its tokenizer's spelling, so those guesses would only fail. ' ' before a number
+    and ' "' before a string are how the tokenizer writes them, and are offered."""
+    m = smol_engine.target
+    item = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": item}, "ok": {"type": "boolean"},
+                                               "age": {"type": "integer"}, "name": {"type": "string"}},
+              "required": ["tags", "ok", "age", "name"], "additionalProperties": False}
+    g = Grammar(m, compile_spec(json_schema=schema))
+    guesses = {}
+    for t in m.tokenize('{"tags": [{"n": 1}], "ok": true, "age": 5, "name": "x"}', add_special=False):
+        key = bytes(g.matcher.compute_ff_bytes()).decode().strip(' ,{"').split('"')[0]  # the key being forced
+        if key in schema["properties"] and key not in guesses:
+            guesses[key] = m.detokenize(g.spelled(g.forced()))
+        g.consume([t])
+    assert guesses == {"tags": "", "ok": "", "age": " ", "name": ' "'}
+
+
 def test_forbidden_drafts_never_reach_the_target(smol_engine, monkeypatch):
     """validate_tokens cuts a draft first: every draft verified is a valid continuation of what was emitted."""
     import localspec.engine as engine
