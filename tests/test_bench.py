@@ -4,6 +4,7 @@ one line before any model loads. Real SmolLM2 (the session engine: exact, n_ctx 
 """
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import llama_cpp
@@ -190,8 +191,14 @@ def test_structured_prompts_run_constrained_and_are_validated(smol_engine):
     assert "| valid JSON | 1/1 | 1/1 | 1/1 |" in out and "INVALID" not in out
 
 
-def test_the_shipped_structured_set_is_well_formed():
-    rows = bench.load_prompts(bench.STRUCTURED)
+HOLDOUT_STRUCTURED = Path(__file__).resolve().parents[1] / "scripts" / "holdout_structured.jsonl"
+
+
+@pytest.mark.parametrize("path", [bench.STRUCTURED, HOLDOUT_STRUCTURED], ids=["shipped", "holdout"])
+def test_the_structured_sets_are_well_formed_and_apart(path):
+    rows = bench.load_prompts(path)
     assert len(rows) >= 6 and len({r["id"] for r in rows}) == len(rows)
     assert all(r["kind"] in ("extract", "classify") and r["schema"]["type"] == "object" for r in rows)
     assert bench.valid("{}", {"type": "object", "required": ["a"]}) is False
+    shipped = {r["id"] for r in bench.load_prompts(bench.STRUCTURED)}
+    assert path == bench.STRUCTURED or not shipped & {r["id"] for r in rows}  # auto's rates come from the holdout
