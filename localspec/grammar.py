@@ -8,6 +8,7 @@ a forbidden token never reaches the target. `Unconstrained` is the same interfac
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Sequence
 
@@ -144,6 +145,7 @@ class Grammar:
         self.matcher = LLMatcher(tok, grammar, log_level=0, limits=_limits())
         self._check()
         self._ahead = 0  # draft tokens consumed beyond the emitted ones (while rows are being masked)
+        self._spelled: dict[tuple, bool] = {}  # _spelled_so's answers
 
     def _check(self) -> None:
         if self.matcher.is_error():
@@ -176,14 +178,22 @@ class Grammar:
 
     def _spelled_so(self, text: bytes, tokens: list[int]) -> bool:
         """Whether the tokenizer begins `text`, followed by some byte the grammar allows after `tokens`, with
-        `tokens`."""
+        `tokens`. Remembered per grammar state (records in a JSON array ask the same at every key)."""
         self.consume(tokens)
         try:
             if self.matcher.is_stopped():  # nothing follows
                 return True
-            allowed = self.allowed()
+            bits = self.matcher.compute_bitmask()
         finally:
             self.rollback(len(tokens))
+        key = (text, tuple(tokens), hashlib.blake2b(bits, digest_size=16).digest())
+        if key not in self._spelled:
+            if len(self._spelled) >= 256:
+                self._spelled.clear()
+            self._spelled[key] = self._spelled_before(text, tokens, self.allowed(bits))
+        return self._spelled[key]
+
+    def _spelled_before(self, text: bytes, tokens: list[int], allowed: np.ndarray) -> bool:
         allowed[list(self.eog)] = False
         if not allowed.any():  # only the end follows
             return True
@@ -210,9 +220,9 @@ class Grammar:
         if n:
             self.matcher.rollback(n)
 
-    def allowed(self) -> np.ndarray:
-        """A boolean row: which tokens the grammar allows next."""
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+    def allowed(self, bits: bytes | None = None) -> np.ndarray:
+        """A boolean row: which tokens the grammar allows next (from the matcher's bitmask, or `bits`)."""
+        bits = np.frombuffer(self.matcher.compute_bitmask() if bits is None else bits, dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little", count=self.n_vocab).view(bool)
         if not allowed.any():
             self._check()
