@@ -190,10 +190,11 @@ class Grammar:
         if key not in self._spelled:
             if len(self._spelled) >= 256:
                 self._spelled.clear()
-            self._spelled[key] = self._spelled_before(text, tokens, self.allowed(bits))
+            self._spelled[key] = self._spelled_before_any(text, tokens, self.allowed(bits))
         return self._spelled[key]
 
-    def _spelled_before(self, text: bytes, tokens: list[int], allowed: np.ndarray) -> bool:
+    def _spelled_before_any(self, text: bytes, tokens: list[int], allowed: np.ndarray) -> bool:
+        """_spelled_so's answer, worked out: `allowed` holds the tokens the grammar allows after `tokens`."""
         allowed[list(self.eog)] = False
         if not allowed.any():  # only the end follows
             return True
