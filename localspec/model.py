@@ -187,6 +187,7 @@ class Model:
         self.vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._pieces: list[bytes] | None = None
         if vocab_only:
             return
         if L.llama_model_is_recurrent(self._model) or L.llama_model_is_hybrid(self._model):
@@ -236,6 +237,13 @@ class Model:
             self._piece_buf = ctypes.create_string_buffer(-n)
             n = L.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
         return self._piece_buf.raw[:n]
+
+    def pieces(self) -> list[bytes]:
+        """Every token's bytes, in id order (control tokens as b''): read once (~0.5 s for 150k tokens) and
+        kept, for the tables built from the whole vocabulary (token kinds, first bytes)."""
+        if self._pieces is None:
+            self._pieces = [self.piece(t) for t in range(self.n_vocab)]
+        return self._pieces
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")

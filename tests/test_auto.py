@@ -354,3 +354,6 @@ def test_guesses_are_also_judged_by_the_kind_of_token_they_hold():
 def test_token_kinds_from_bytes():
     pieces = [b"hello", b" 42", b", ", b'"}', b"\n", b"  ", b"\xe4\xb8", "é".encode(), b""]
     assert token_kinds(pieces).tolist() == [WORD, WORD, PUNCT, PUNCT, NEWLINE, PUNCT, PUNCT, WORD, PUNCT]
+    more = [b"a\n", "é\n".encode(), "—".encode(), " —x".encode(), "日本".encode(), b"\xff\xfe", "٣".encode(), b"_"]
+    assert token_kinds(more).tolist() == [NEWLINE, NEWLINE, PUNCT, WORD, WORD, PUNCT, WORD, PUNCT]
+    assert token_kinds([]).tolist() == []

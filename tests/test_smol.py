@@ -208,6 +208,10 @@ def test_auto_reads_each_tokens_kind_from_the_targets_vocabulary(smol_engine, mo
     assert len(kinds) == smol_engine.target.n_vocab and smol_engine.token_kinds() is kinds  # built once
     word, comma, newline = (smol_engine.tokenize(t, add_special=False)[0] for t in ("Hello", ",", "\n"))
     assert (kinds[word], kinds[comma], kinds[newline]) == (WORD, PUNCT, NEWLINE)
+    # read off the whole vocabulary at once, as each token's bytes say one by one
+    def kind(b: bytes) -> int:
+        return NEWLINE if b"\n" in b else WORD if any(c.isalnum() for c in b.decode("utf-8", "ignore")) else PUNCT
+    assert kinds.tolist() == [kind(smol_engine.target.piece(t)) for t in range(smol_engine.target.n_vocab)]
     seen = []
     monkeypatch.setattr(engine, "AutoDrafter", lambda *a, **kw: seen.append(kw["kinds"]) or AutoDrafter(*a, **kw))
     smol_engine.generate("Once upon a time", max_tokens=4, drafter="auto")
