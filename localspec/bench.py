@@ -20,12 +20,14 @@ edited): the method `auto-pred` is `auto` given it; every other method runs with
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from .errors import LocalspecError
 from .memory import CTX_PAD
@@ -200,8 +202,12 @@ def _peer(llama, tokens: list[int], max_tokens: int, temperature: float = 0.0, s
 
 
 def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, temperature: float = 0.0,
-        seed: int | None = None, repeat: int = 1, log: Callable[[str], None] = lambda s: None) -> list[Row]:
+        seed: int | None = None, repeat: int = 1, log: Callable[[str], None] = lambda s: None,
+        done: Sequence[Row] = (), on_row: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
     """Run every method on every prompt; the plain run ('none') is always included as the baseline.
+
+    Rows in `done` (a saved run being resumed) are kept for their prompts, which are not run again; after
+    each prompt, `on_row` gets the rows so far (kept and new, in prompt order), so a caller can save them.
 
     With repeat > 1 the methods of a prompt run `repeat` times, in an order rotated each time (a method
     that heats the CPU does not always precede the same one), and each keeps its median speed, so a burst
@@ -210,6 +216,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     or our methods with a seed).
     """
     methods = ("none",) + tuple(m for m in methods if m != "none")
+    kept = {r.id: r for r in done}
     if llm.draft is None and (need := [m for m in methods if m in NEED_DRAFT]):
         raise BenchError(f"method {need[0]!r} needs a draft model: load one (--draft) or leave it out of --methods")
     prompt_tokens = [llm.chat_tokens(p["messages"]) for p in prompts]
@@ -222,6 +229,9 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
         llm.calibration()  # calibrate (once per machine and models) before anything is timed
     rows = []
     for p, tokens in zip(prompts, prompt_tokens):
+        if p["id"] in kept:
+            rows.append(kept[p["id"]])
+            continue
         _ours(llm, tokens, "none", 8)  # warm-up
         row = Row(p["id"], p.get("kind", ""))
         tries: dict[str, list[Run]] = {m: [] for m in methods}
@@ -247,6 +257,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
             comparable = not r.failed and (temperature == 0 or (seed is not None and m not in PEERS))
             r.same_as_plain = r.text == plain.text if comparable else None
         rows.append(row)
+        on_row(rows)
     if peer is not None:
         peer.close()
     return rows
@@ -314,13 +325,69 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     return "\n".join(out)
 
 
-def to_json(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None) -> dict:
-    methods = list(rows[0].runs)
-    return {"temperature": temperature, "seed": seed,
-            "prompts": [{"id": r.id, "kind": r.kind,
+def setup(llm, *, methods, max_tokens: int, temperature: float, seed: int | None, repeat: int) -> dict:
+    """What a run's figures depend on. A resumed run must match it: the same CPU, llama.cpp build, model
+    files and their settings (threads, flash attention, ...; one key, as calibration keys its cache), and
+    the same bench settings."""
+    from .calibrate import _cpu_name, cache_key
+
+    return {"cpu": _cpu_name(), "models": cache_key(llm.target, llm.draft), "methods": list(methods),
+            "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "repeat": repeat}
+
+
+def prompt_key(p: dict) -> str:
+    """A prompt's id and content: a saved row counts for a resumed run only if its prompt is unchanged."""
+    return p["id"] + ":" + hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def to_json(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None, settings: dict | None = None,
+            keys: dict[str, str] | None = None) -> dict:
+    """The results (without output texts). `settings` (setup()) and `keys` (prompt id -> prompt_key) make
+    the file resumable."""
+    methods = list(rows[0].runs) if rows else []
+    return {"temperature": temperature, "seed": seed, "setup": settings,
+            "prompts": [{"id": r.id, "kind": r.kind, "key": (keys or {}).get(r.id),
                          "methods": {m: {k: v for k, v in vars(run).items() if k != "text"}
                                      for m, run in r.runs.items()}} for r in rows],
             "geomean_ratio": {m: geomean(rows, m) for m in methods}}
+
+
+def resumable(path: str | Path, settings: dict, prompts: list[dict]) -> list[Row]:
+    """The rows of a run saved in `path` (to_json) that this run can keep: every prompt whose content is
+    unchanged. Raises BenchError when the file is not a saved run or was measured differently."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        saved = data["setup"]
+        entries = data["prompts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BenchError(f"{path}: not a run saved by 'localspec bench --json' ({type(e).__name__}: {e}); "
+                         "give another --json file, or delete this one to start over") from None
+    if not isinstance(saved, dict):
+        raise BenchError(f"{path}: saved without its settings (by an older localspec), so it cannot be resumed; "
+                         "give another --json file")
+    differ = [k for k in settings if saved.get(k) != settings[k]]
+    if differ:
+        what = ", ".join(f"{k} {saved.get(k)!r} then, {settings[k]!r} now" if k != "models" else
+                         "models, their settings, the llama.cpp build or the host" for k in differ)
+        raise BenchError(f"{path} was measured differently ({what}): its ratios cannot be mixed with this run's; "
+                         "give the same settings, or another --json file to start a new run")
+    keys = {prompt_key(p) for p in prompts}
+    try:
+        return [Row(e["id"], e["kind"], {m: Run(**{**v, "text": "", "prediction": tuple(v["prediction"])
+                                                   if v.get("prediction") else None})
+                                         for m, v in e["methods"].items()})
+                for e in entries if e.get("key") in keys]
+    except (KeyError, TypeError) as e:
+        raise BenchError(f"{path}: a saved prompt is malformed ({type(e).__name__}: {e}); "
+                         "give another --json file") from None
+
+
+def save(path: str | Path, data: dict) -> None:
+    """Write atomically: an interrupted write leaves the previous file whole."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def plot(rows: list[Row], path: str | Path) -> None:

@@ -250,22 +250,32 @@ def chat(system, show_draft, **kw):
                    "LlamaPromptLookupDecoding as peer-2 / peer-10 (num_pred_tokens).")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
               help="Run each prompt's methods this many times, in a rotated order, and keep each method's median.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Also write the results as JSON here, after every prompt: an interrupted run keeps the prompts "
+                   "it finished.")
+@click.option("--resume", is_flag=True,
+              help="Continue the run saved in --json FILE: keep the prompts it finished and run the rest. Refused "
+                   "if the host, llama.cpp build, models or bench settings differ (ratios are only comparable "
+                   "within one setup). Without the file, a new run starts.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw ratios by prompt kind and method to this PNG (needs the 'plot' extra).")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; above 0 every method samples, llama-cpp-python's peers too.")
 @click.option("--seed", type=int, help="One seed for every method and peer, so sampled runs can be compared.")
-def bench(prompts, max_tokens, methods, repeat, json_path, plot_path, temperature, seed, **kw):
-    """Speed of each drafter against plain decoding on this machine, side by side in one run (greedy by default)."""
-    import json
+def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, temperature, seed, **kw):
+    """Speed of each drafter against plain decoding on this machine, side by side in one run (greedy by default).
 
+    Each prompt's methods run together, so a long run can be stopped (Ctrl-C) and finished later with
+    --json FILE --resume on the same machine and models.
+    """
     from . import bench as b
 
     names = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in names if m not in b.METHODS]
     if unknown:
         raise click.UsageError(f"unknown method {unknown[0]!r}; choose from {', '.join(b.METHODS)}")
+    if resume and not json_path:
+        raise click.UsageError("--resume continues the run saved in --json FILE: give --json too")
     if plot_path:
         try:  # check now, not after the whole run
             import matplotlib  # noqa: F401
@@ -280,11 +290,27 @@ def bench(prompts, max_tokens, methods, repeat, json_path, plot_path, temperatur
             skipped = [m for m in names if m in b.NEED_DRAFT]
             names = [m for m in names if m not in b.NEED_DRAFT]
             click.echo(f"no draft model loaded: skipping {', '.join(skipped)} (give --draft to bench them)", err=True)
-        rows = b.run(llm, rows_in, methods=names, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                     repeat=repeat, log=lambda s: click.echo(s, err=True))
+        settings = b.setup(llm, methods=["none"] + [m for m in names if m != "none"], max_tokens=max_tokens,
+                           temperature=temperature, seed=seed, repeat=repeat)
+        keys = {p["id"]: b.prompt_key(p) for p in rows_in}
+        done = b.resumable(json_path, settings, rows_in) if resume and Path(json_path).exists() else []
+        if resume:
+            click.echo(f"resuming {json_path}: {len(done)} of {len(rows_in)} prompts kept" if done else
+                       f"nothing to resume in {json_path}: a new run", err=True)
+
+        def save(rows):
+            if json_path:
+                b.save(json_path, b.to_json(rows, temperature=temperature, seed=seed, settings=settings, keys=keys))
+
+        try:
+            rows = b.run(llm, rows_in, methods=names, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                         repeat=repeat, log=lambda s: click.echo(s, err=True), done=done, on_row=save)
+        except KeyboardInterrupt:
+            click.echo(f"interrupted: the prompts finished are in {json_path}; run the same command with --resume "
+                       "to finish" if json_path else "interrupted (give --json FILE to keep finished prompts)",
+                       err=True)
+            sys.exit(130)
     click.echo(b.table(rows, temperature=temperature, seed=seed))
-    if json_path:
-        Path(json_path).write_text(json.dumps(b.to_json(rows, temperature=temperature, seed=seed), indent=1))
     if plot_path:
         b.plot(rows, plot_path)
 

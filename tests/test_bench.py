@@ -202,3 +202,54 @@ def test_the_structured_sets_are_well_formed_and_apart(path):
     assert bench.valid("{}", {"type": "object", "required": ["a"]}) is False
     shipped = {r["id"] for r in bench.load_prompts(bench.STRUCTURED)}
     assert path == bench.STRUCTURED or not shipped & {r["id"] for r in rows}  # auto's rates come from the holdout
+
+
+def test_an_interrupted_run_keeps_finished_prompts_and_resumes(monkeypatch, capsys, tmp_path, smol_engine):
+    """--json is written after every prompt; Ctrl-C says how to finish; --resume runs only what is missing,
+    and refuses a file measured with other settings or not saved by bench."""
+    import contextlib
+
+    monkeypatch.setattr(cli, "load_engine", lambda kw: contextlib.nullcontext(smol_engine))
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "run.json"
+    prompts.write_text(json.dumps(SHORT) + "\n" + json.dumps(prompt("second", "Count: one two three")) + "\n")
+    args = ["bench", "--target", "unused.gguf", "--prompts", prompts, "--methods", "none,ngram",
+            "--max-tokens", "8", "--json", out]
+    real, calls = bench._ours, []
+
+    def ours(llm, tokens, method, *a, **kw):
+        calls.append(method)
+        if len(calls) == 4:               # a warm-up, none, ngram for the first prompt; then Ctrl-C
+            raise KeyboardInterrupt
+        return real(llm, tokens, method, *a, **kw)
+
+    monkeypatch.setattr(bench, "_ours", ours)
+    code, err = main(monkeypatch, capsys, *args)
+    saved = json.loads(out.read_text())
+    assert code == 130 and f"the prompts finished are in {out}; run the same command with --resume" in err
+    assert [p["id"] for p in saved["prompts"]] == ["short"] and saved["setup"]["max_tokens"] == 8
+    first = saved["prompts"][0]
+
+    calls.clear()
+    monkeypatch.setattr(bench, "_ours", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    code, err = main(monkeypatch, capsys, *args, "--resume")
+    saved = json.loads(out.read_text())
+    assert code == 0 and "resuming" in err and "1 of 2 prompts kept" in err
+    assert calls == ["none", "none", "ngram"]                # only the second prompt ran (warm-up, then both)
+    assert [p["id"] for p in saved["prompts"]] == ["short", "second"] and saved["prompts"][0] == first
+    assert saved["geomean_ratio"]["none"] == 1.0
+
+    # the same file with other settings, or a changed prompt
+    code, err = main(monkeypatch, capsys, *args[:-4], "--max-tokens", "9", "--json", out, "--resume")
+    assert code == 2 and "measured differently (max_tokens 8 then, 9 now)" in err and "Traceback" not in err
+    prompts.write_text(json.dumps(SHORT) + "\n" + json.dumps(prompt("second", "Count: four five")) + "\n")
+    calls.clear()
+    code, err = main(monkeypatch, capsys, *args, "--resume")
+    assert code == 0 and "1 of 2 prompts kept" in err and calls == ["none", "none", "ngram"]
+    out.write_text('{"prompts": []}')
+    code, err = main(monkeypatch, capsys, *args, "--resume")
+    assert code == 2 and "not a run saved by 'localspec bench --json'" in err
+
+
+def test_resume_needs_the_json_file(monkeypatch, capsys, smol_path, no_load):
+    code, err = main(monkeypatch, capsys, "bench", "--target", smol_path, "--resume")
+    assert code == 2 and "--resume continues the run saved in --json FILE: give --json too" in err
