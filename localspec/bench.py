@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,13 +154,14 @@ def load_peer(llm, n_ctx: int):
 
 
 def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: float = 0.0,
-          seed: int | None = None, schema: dict | None = None, prediction: str | None = None) -> Run:
+          seed: int | None = None, schema: dict | None = None, prediction: str | None = None,
+          trace: Callable[[dict], None] | None = None) -> Run:
     models = [m for m in (llm.target, llm.draft) if m is not None]
     for m in models:
         m.truncate(0)
     stream = llm.stream(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed,
                         drafter="auto" if method == "auto-pred" else method, json_schema=schema,
-                        prediction=prediction if method == "auto-pred" else None)
+                        prediction=prediction if method == "auto-pred" else None, trace=trace)
     n, text, t_first = 0, [], None
     for ev in stream:
         if t_first is None:
@@ -203,11 +205,14 @@ def _peer(llama, tokens: list[int], max_tokens: int, temperature: float = 0.0, s
 
 def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, temperature: float = 0.0,
         seed: int | None = None, repeat: int = 1, log: Callable[[str], None] = lambda s: None,
-        done: Sequence[Row] = (), on_row: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+        done: Sequence[Row] = (), on_row: Callable[[list[Row]], None] = lambda rows: None,
+        trace_dir: str | Path | None = None) -> list[Row]:
     """Run every method on every prompt; the plain run ('none') is always included as the baseline.
 
     Rows in `done` (a saved run being resumed) are kept for their prompts, which are not run again; after
     each prompt, `on_row` gets the rows so far (kept and new, in prompt order), so a caller can save them.
+    With `trace_dir`, each run of our methods writes its rounds there (trace_path; one engine.trace_row per
+    line), after the run, so the writing is not timed.
 
     With repeat > 1 the methods of a prompt run `repeat` times, in an order rotated each time (a method
     that heats the CPU does not always precede the same one), and each keeps its median speed, so a burst
@@ -242,7 +247,12 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
                     peer.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=PEERS[m]) if PEERS[m] else None
                     r = _peer(peer, tokens, max_tokens, temperature, seed, schema)
                 else:
-                    r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema, p.get("prediction"))
+                    rounds = [] if trace_dir is not None else None
+                    r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema, p.get("prediction"),
+                              None if rounds is None else rounds.append)
+                    if rounds is not None:
+                        trace_path(trace_dir, p["id"], m, i).write_text(
+                            "".join(json.dumps(x) + "\n" for x in rounds), encoding="utf-8")
                 if schema is not None and not r.failed:
                     r.valid = valid(r.text, schema)
                 tries[m].append(r)
@@ -261,6 +271,12 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     if peer is not None:
         peer.close()
     return rows
+
+
+def trace_path(trace_dir: str | Path, prompt_id: str, method: str, i: int) -> Path:
+    """DIR/PROMPT.METHOD.I.jsonl, the prompt id reduced to characters safe in a file name."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", prompt_id)[:80]
+    return Path(trace_dir) / f"{safe}.{method}.{i + 1}.jsonl"
 
 
 def valid(text: str, schema: dict) -> bool | None:

@@ -1,6 +1,7 @@
 """The `localspec` command: each subcommand parses, resolves, calls the library and prints. No logic here."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -178,7 +179,10 @@ def load_engine(load_kw: dict):
 @click.option("--prediction", "prediction_file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="Text the output is expected to resemble (the file being edited): drafted from, verified like "
                    "any draft, so the output is unchanged and only faster where it matches.")
-def generate(prompt, chat, system, as_json, prediction_file, **kw):
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write each round as a JSON line to FILE: tokens drafted and accepted, seconds drafting and "
+                   "verifying, and with auto the drafter it chose and the tokens and seconds it expected.")
+def generate(prompt, chat, system, as_json, prediction_file, trace_path, **kw):
     """Generate a continuation of PROMPT ('-' or nothing reads it from stdin), streaming text to stdout.
 
     One stats line goes to stderr: tokens/s, acceptance, and whether the acceptance rule is lossless.
@@ -200,12 +204,13 @@ def generate(prompt, chat, system, as_json, prediction_file, **kw):
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             prompt = llm.chat_tokens(messages)
-        stream = llm.stream(prompt, **gen_kw)
-        events = []
-        for ev in stream:
-            events.append(ev)
-            if not as_json:
-                click.echo(ev.text, nl=False)
+        with open(trace_path, "w", encoding="utf-8") if trace_path else contextlib.nullcontext() as tf:
+            stream = llm.stream(prompt, **gen_kw, trace=(lambda row: tf.write(json.dumps(row) + "\n")) if tf else None)
+            events = []
+            for ev in stream:
+                events.append(ev)
+                if not as_json:
+                    click.echo(ev.text, nl=False)
         if as_json:
             click.echo(json.dumps({"text": "".join(e.text for e in events), "tokens": [e.token for e in events],
                                    "from_draft": [e.from_draft for e in events],
@@ -259,10 +264,13 @@ def chat(system, show_draft, **kw):
                    "within one setup). Without the file, a new run starts.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw ratios by prompt kind and method to this PNG (needs the 'plot' extra).")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Write every round of each run of our methods to DIR/PROMPT.METHOD.N.jsonl: tokens drafted, "
+                   "accepted, seconds, and what auto chose and expected of the round (to see where it loses).")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; above 0 every method samples, llama-cpp-python's peers too.")
 @click.option("--seed", type=int, help="One seed for every method and peer, so sampled runs can be compared.")
-def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, temperature, seed, **kw):
+def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, trace_dir, temperature, seed, **kw):
     """Speed of each drafter against plain decoding on this machine, side by side in one run (greedy by default).
 
     Each prompt's methods run together, so a long run can be stopped (Ctrl-C) and finished later with
@@ -276,6 +284,8 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, te
         raise click.UsageError(f"unknown method {unknown[0]!r}; choose from {', '.join(b.METHODS)}")
     if resume and not json_path:
         raise click.UsageError("--resume continues the run saved in --json FILE: give --json too")
+    if trace_dir:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
     if plot_path:
         try:  # check now, not after the whole run
             import matplotlib  # noqa: F401
@@ -304,7 +314,8 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, te
 
         try:
             rows = b.run(llm, rows_in, methods=names, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                         repeat=repeat, log=lambda s: click.echo(s, err=True), done=done, on_row=save)
+                         repeat=repeat, log=lambda s: click.echo(s, err=True), done=done, on_row=save,
+                         trace_dir=trace_dir)
         except KeyboardInterrupt:
             click.echo(f"interrupted: the prompts finished are in {json_path}; run the same command with --resume "
                        "to finish" if json_path else "interrupted (give --json FILE to keep finished prompts)",

@@ -1,7 +1,7 @@
 """Drafters: where the candidate tokens of a round come from. One protocol, four small classes, and auto."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
@@ -22,6 +22,19 @@ class Draft:
     q: list[Dist] | None = None
     forced: int = 0
     predicted: int = 0  # how many tokens after the forced ones come from the request's prediction
+    plan: Plan | None = None  # auto: what it chose and expected of the round
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Why auto drafted what it did, to set beside what the round then gave (a trace, not a decision input):
+    the candidate it chose ('none' for plain decoding, 'ngram', 'model', 'forced', 'prediction'), the tokens
+    it expected the round to emit, and the seconds it expected the round to take on this machine (verify,
+    drafting, catching the draft model up)."""
+
+    source: str
+    tokens: float
+    seconds: float
 
 
 EMPTY = Draft([])
@@ -344,9 +357,9 @@ def _bucket(size: int) -> int:
 
 
 def _best(rates: np.ndarray, cost, extra_per_token: float = 0.0, per_emitted: float = 0.0,
-          start: int = 0, fixed: float = 0.0) -> tuple[int, float]:
-    """(K, expected tokens per second) of the best draft length K >= max(start, 1) given per-position
-    acceptance rates.
+          start: int = 0, fixed: float = 0.0) -> tuple[int, float, float]:
+    """(K, expected tokens per second, expected tokens per round) of the best draft length K >= max(start, 1)
+    given per-position acceptance rates.
 
     cost(n) is the seconds of a verify of n tokens; extra_per_token the cost of drafting one of the tokens past
     `start` (the first `start` are given: forced by a grammar); per_emitted the cost of each row the acceptance
@@ -357,7 +370,7 @@ def _best(rates: np.ndarray, cost, extra_per_token: float = 0.0, per_emitted: fl
     ks = np.arange(1, len(rates) + 1)
     speed = expected / (cost(ks + 1) + extra_per_token * np.maximum(ks - start, 0) + per_emitted * expected + fixed)
     i = max(start, 1) - 1 + int(np.argmax(speed[max(start, 1) - 1:]))
-    return i + 1, float(speed[i])
+    return i + 1, float(speed[i]), float(expected[i])
 
 
 class AutoDrafter:
@@ -493,11 +506,12 @@ class AutoDrafter:
             rate = stats.rates(1)
             rates, guess = (np.concatenate([rates, rate]), guess) if rate[0] >= 0.5 else (rates, [])
         f = len(forced) + len(guess)
-        best = ("none", 0, self.MARGIN * self._plain(depth))
+        plain = self._plain(depth)
+        best = ("none", 0, self.MARGIN * plain, 1.0)  # (source, K, expected tokens/s, expected tokens)
         if f:
-            k, speed = _best(rates, cost, 0.0, self.row_cost, start=f)
+            k, speed, tokens = _best(rates, cost, 0.0, self.row_cost, start=f)
             if speed > best[2]:
-                best = ("forced", f, speed)
+                best = ("forced", f, speed, tokens)
         lead = forced + guess
         ctx = [*context, *lead] if f else context
         cont, pcont = [], []
@@ -514,23 +528,24 @@ class AutoDrafter:
                 if odds is not None:
                     guessed = odds.adjust(guessed, self.kinds[cont])
                 self.pending.append((len(ctx), cont, stats, 0, odds))
-                k, speed = _best(np.concatenate([rates, guessed]), cost, 0.0, self.row_cost, start=f)
+                k, speed, tokens = _best(np.concatenate([rates, guessed]), cost, 0.0, self.row_cost, start=f)
                 if speed > best[2]:
-                    best = ("ngram", k, speed)
+                    best = ("ngram", k, speed, tokens)
             if self.prediction is not None:
                 _, pcont = self.prediction.lookup(ctx, n - f)
             if pcont:
                 stats = self.prediction_stats[self._run_level]
                 self.pending.append((len(ctx), pcont, stats, 0, None))
-                k, speed = _best(np.concatenate([rates, stats.rates(len(pcont))]), cost, 0.0, self.row_cost, start=f)
+                k, speed, tokens = _best(np.concatenate([rates, stats.rates(len(pcont))]), cost, 0.0, self.row_cost,
+                                         start=f)
                 if speed > best[2]:
-                    best = ("prediction", k, speed)
+                    best = ("prediction", k, speed, tokens)
             if not cont and not pcont:
                 self.run = 0
         if n > f and self.model_may_win(depth, n) and self.model.fits(ctx):
             # catching the draft's cache up over what it has not seen is paid before it can draft
             lag = self.model.lag(ctx)
-            k, speed = _best(np.concatenate([rates, self.model_stats.rates(n - f)]), cost,
+            k, speed, tokens = _best(np.concatenate([rates, self.model_stats.rates(n - f)]), cost,
                              self.costs.draft_cost(depth), self.row_cost, start=f,
                              fixed=lag * self.costs.fill_cost(depth))
             self.since_model += 1
@@ -540,10 +555,11 @@ class AutoDrafter:
             if speed > best[2] or probe:
                 if probe and speed <= best[2]:
                     self.probe_every = min(2 * self.probe_every, 4096)
-                best = ("model", k, speed)
-        name, k, _ = best
+                best = ("model", k, speed, tokens)
+        name, k, speed, tokens = best
+        plan = Plan(name, tokens, 1.0 / plain if name == "none" else tokens / speed)
         if name == "none":
-            return EMPTY
+            return Draft([], plan=plan)
         rest = EMPTY
         if name == "ngram":
             rest = Draft(cont[:k - f])
@@ -560,4 +576,4 @@ class AutoDrafter:
                     self.grammar.rollback(f)
             if rest.tokens:
                 self.pending.append((len(ctx), rest.tokens, self.model_stats, 0, None))
-        return constrained(self.grammar, forced, rest, guess) if self.grammar is not None else rest
+        return replace(constrained(self.grammar, forced, rest, guess) if self.grammar is not None else rest, plan=plan)

@@ -21,7 +21,7 @@ import numpy as np
 from . import acceptance, defaults
 from .acceptance import Lazy
 from .drafters import (EMPTY, AutoDrafter, Draft, Drafter, GrammarDrafter, HybridDrafter, ModelDrafter, NgramDrafter,
-                       NoDrafter, Prediction, vocab_kinds)
+                       NoDrafter, Plan, Prediction, vocab_kinds)
 from .errors import LocalspecError
 from .grammar import Grammar, Unconstrained, compile_spec
 from .model import Cancelled, Model
@@ -53,6 +53,7 @@ class Round:
     accepted_forced: int = 0
     predicted: int = 0  # draft tokens from the request's prediction, and how many of them were accepted
     accepted_predicted: int = 0
+    plan: Plan | None = None  # auto: what it chose and expected of this round
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
                        if top_logprobs is not None else [(None, None)] * len(out[:end]))
             n_acc = n_acc if end is None else min(n_acc, end)
             yield Round(len(draft.tokens), n_acc, t1 - t0, t2 - t1, draft.forced, min(n_acc, draft.forced),
-                        draft.predicted, min(max(n_acc - draft.forced, 0), draft.predicted))
+                        draft.predicted, min(max(n_acc - draft.forced, 0), draft.predicted), draft.plan)
             for i, tok in enumerate(out[:end]):
                 context.append(tok)
                 produced += 1
@@ -282,8 +283,9 @@ class Stream:
     """Iterate for Events; after the last one, `stats` and `finish_reason` are set."""
 
     def __init__(self, facts: Iterator, piece, *, stop: Sequence[str], drafter: str, rule: str, k: int,
-                 prompt_tokens: int, seed: int = 0, notes: Sequence[str] = ()):
-        self._facts, self._piece = facts, piece
+                 prompt_tokens: int, seed: int = 0, notes: Sequence[str] = (),
+                 trace: Callable[[dict], None] | None = None):
+        self._facts, self._piece, self._trace = facts, piece, trace
         self._text = TextStream(stop)
         self._meta = dict(drafter=drafter, rule=rule, lossless=acceptance.LOSSLESS[rule], k=k,
                           prompt_tokens=prompt_tokens, seed=seed, notes=tuple(notes))
@@ -312,6 +314,8 @@ class Stream:
                     else:
                         yield ev
                 elif type(f) is Round:
+                    if self._trace is not None:
+                        self._trace(trace_row(f, self._meta["prompt_tokens"] + n))
                     rounds += 1
                     t_d += f.draft_s
                     t_v += f.verify_s
@@ -346,6 +350,18 @@ class Stream:
                                drafted_forced=forced[0], accepted_forced=forced[1],
                                drafted_prediction=predicted[0], accepted_prediction=predicted[1],
                                drafting_rounds=drafting, **self._meta)
+
+
+def trace_row(r: Round, depth: int) -> dict:
+    """One round, decision beside outcome: the context length it started at; tokens drafted, accepted and
+    emitted; seconds drafting and verifying; and, from auto, the candidate it chose and the tokens and seconds
+    it expected (its calibrated costs at this depth and its learned acceptance rates)."""
+    row = {"depth": depth, "drafted": r.drafted, "accepted": r.accepted, "emitted": r.accepted + 1,
+           "draft_s": round(r.draft_s, 6), "verify_s": round(r.verify_s, 6)}
+    if r.plan is not None:
+        row |= {"source": r.plan.source, "expected_tokens": round(r.plan.tokens, 4),
+                "expected_s": round(r.plan.seconds, 6)}
+    return row
 
 
 @dataclass(frozen=True)
@@ -590,7 +606,8 @@ class Engine:
         return name, HybridDrafter(NgramDrafter(prediction=prediction), model), fits
 
     # -- generation --
-    def stream(self, prompt: str | Sequence[int], *, cancel: Callable[[], bool] | None = None, **options) -> Stream:
+    def stream(self, prompt: str | Sequence[int], *, cancel: Callable[[], bool] | None = None,
+               trace: Callable[[dict], None] | None = None, **options) -> Stream:
         """Generate, yielding one Event per token; `.stats` is set once the stream ends.
 
         prompt: text (special tokens such as <|im_start|> are recognised) or token ids.
@@ -602,6 +619,8 @@ class Engine:
         logprobs=N (0..20: each Event's logprob and top_logprobs).
         cancel: a callable checked between prefill chunks and rounds; when it returns True the stream ends
         with finish_reason 'cancelled'.
+        trace: a callable given one dict per round (trace_row): what was drafted and accepted, how long it took,
+        and with drafter='auto' what it chose and expected of the round.
         """
         req = make_request(**(self.defaults | {k: v for k, v in options.items() if v is not None}))
         tokens = self._prompt_tokens(prompt)
@@ -622,7 +641,7 @@ class Engine:
                           lock=self._lock, cancel=cancel, grammar=grammar or Unconstrained(),
                           top_logprobs=req.logprobs)
         return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
-                      prompt_tokens=len(tokens), seed=seed, notes=notes)
+                      prompt_tokens=len(tokens), seed=seed, notes=notes, trace=trace)
 
     def generate(self, prompt: str | Sequence[int], **options) -> Result:
         """Generate to the end and return the text, tokens, from_draft flags, finish_reason and stats."""

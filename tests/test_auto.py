@@ -357,3 +357,18 @@ def test_token_kinds_from_bytes():
     more = [b"a\n", "é\n".encode(), "—".encode(), " —x".encode(), "日本".encode(), b"\xff\xfe", "٣".encode(), b"_"]
     assert token_kinds(more).tolist() == [NEWLINE, NEWLINE, PUNCT, WORD, WORD, PUNCT, WORD, PUNCT]
     assert token_kinds([]).tolist() == []
+
+
+def test_each_draft_carries_what_auto_chose_and_expected():
+    """The plan is a trace beside the outcome: the chosen candidate, expected tokens and seconds at this depth."""
+    a = auto(CPU)
+    for s in a.ngram_stats.values():
+        for _ in range(100):
+            s.update(16, 16)
+    d = a.propose(REPEATING, 16)
+    k = len(d.tokens)
+    assert d.plan.source == "ngram" and 1 < d.plan.tokens <= k + 1
+    assert d.plan.seconds == pytest.approx(CPU.verify_cost(k + 1, len(REPEATING)))
+    plain = auto(LINEAR).propose(REPEATING, 16)       # nothing can beat plain decoding: none, and its cost
+    assert plain.tokens == [] and plain.plan.source == "none" and plain.plan.tokens == 1.0
+    assert plain.plan.seconds == pytest.approx(LINEAR.verify_cost(1, len(REPEATING)))

@@ -253,3 +253,15 @@ def test_an_interrupted_run_keeps_finished_prompts_and_resumes(monkeypatch, caps
 def test_resume_needs_the_json_file(monkeypatch, capsys, smol_path, no_load):
     code, err = main(monkeypatch, capsys, "bench", "--target", smol_path, "--resume")
     assert code == 2 and "--resume continues the run saved in --json FILE: give --json too" in err
+
+
+def test_trace_writes_each_run_of_our_methods(smol_engine, tmp_path):
+    odd = prompt("a/b c", "Repeat exactly: alpha beta gamma delta")     # an id that is no file name
+    (row,) = bench.run(smol_engine, [odd], methods=("none", "auto", "peer-2"), max_tokens=12, repeat=2,
+                       trace_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"a_b_c.{m}.{i}.jsonl" for m in ("auto", "none")
+                                                          for i in (1, 2)]     # our methods only, each repeat
+    for i in (1, 2):
+        rounds = [json.loads(x) for x in (tmp_path / f"a_b_c.auto.{i}.jsonl").read_text().splitlines()]
+        assert sum(r["emitted"] for r in rounds) == row.runs["auto"].tokens
+        assert all(r["source"] in ("none", "ngram", "model") for r in rounds[:-1])  # the last: room for 1 token

@@ -22,14 +22,16 @@ def test_generate_streams_text_and_prints_stats(smol_path):
     assert "tok/s" in r.stderr and "lossless" in r.stderr and "drafter auto" in r.stderr
 
 
-def test_generate_json_from_stdin(smol_path):
+def test_generate_json_from_stdin(smol_path, tmp_path):
     r = localspec("generate", "-", "--target", smol_path, "--json", "--temperature", "0", "--max-tokens", "6",
-                  "--drafter", "ngram", stdin="The capital of France is")
+                  "--drafter", "ngram", "--trace", tmp_path / "t.jsonl", stdin="The capital of France is")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) == {"text", "tokens", "from_draft", "finish_reason", "stats"}
     assert len(out["tokens"]) == len(out["from_draft"]) == 6 and out["finish_reason"] == "length"
     assert out["stats"]["drafter"] == "ngram" and out["stats"]["lossless"] is True
+    rounds = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]  # --trace: a line a round
+    assert len(rounds) == out["stats"]["rounds"] and sum(r["emitted"] for r in rounds) == 6
 
 
 def test_stdin_prompt_loses_only_its_final_newline(smol_path):

@@ -238,3 +238,23 @@ def test_a_prediction_longer_than_the_context_is_clamped_with_a_note(smol_path):
         prompt = llm.chat_tokens(MESSAGES)
         r = llm.generate(prompt, max_tokens=8, temperature=0, drafter="ngram", prediction="word " * 400)
         assert r.stats.generated == 8 and any("prediction" in n and "first" in n for n in r.stats.notes)
+
+
+def test_a_trace_has_every_round_decision_beside_outcome(smol_engine):
+    prompt = smol_engine.chat_tokens(MESSAGES)
+    for drafter in ("auto", "ngram"):
+        rows = []
+        s = smol_engine.stream(prompt, max_tokens=40, temperature=0, drafter=drafter, trace=rows.append)
+        events = list(s)
+        assert len(rows) == s.stats.rounds and sum(r["drafted"] for r in rows) == s.stats.drafted
+        assert sum(r["accepted"] for r in rows) == s.stats.accepted
+        assert [r["depth"] for r in rows] == [len(prompt) + sum(r["emitted"] for r in rows[:i])
+                                              for i in range(len(rows))]
+        assert sum(r["emitted"] for r in rows) >= len(events)   # an end-of-text token is counted, never shown
+        assert all(r["verify_s"] > 0 for r in rows)
+        if drafter == "auto":       # what auto chose: plain where it drafted nothing, a drafter where it did
+            assert all((r["source"] == "none") == (r["drafted"] == 0) and r["expected_tokens"] >= 1
+                       and r["expected_s"] > 0 for r in rows[:-1])
+            assert s.finish_reason != "length" or "source" not in rows[-1]  # the last token: nothing to decide
+        else:
+            assert not any("source" in r for r in rows)
