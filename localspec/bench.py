@@ -398,6 +398,15 @@ def resumable(path: str | Path, settings: dict, prompts: list[dict]) -> list[Row
                          "give another --json file") from None
 
 
+def saved_prompts(path: str | Path) -> int:
+    """How many prompts a run saved in `path` holds (0: no such file, or not a saved run)."""
+    try:
+        prompts = json.loads(Path(path).read_text(encoding="utf-8")).get("prompts")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return len(prompts) if isinstance(prompts, list) else 0
+
+
 def save(path: str | Path, data: dict) -> None:
     """Write atomically: an interrupted write leaves the previous file whole."""
     path = Path(path)

@@ -284,6 +284,9 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
         raise click.UsageError(f"unknown method {unknown[0]!r}; choose from {', '.join(b.METHODS)}")
     if resume and not json_path:
         raise click.UsageError("--resume continues the run saved in --json FILE: give --json too")
+    if json_path and not resume and (n := b.saved_prompts(json_path)):
+        raise click.UsageError(f"{json_path} holds a run with {n} prompts measured: give --resume to finish it, "
+                               "or another --json file (or delete this one) to start over")
     if trace_dir:
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
     if plot_path:

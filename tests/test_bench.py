@@ -238,6 +238,10 @@ def test_an_interrupted_run_keeps_finished_prompts_and_resumes(monkeypatch, caps
     assert [p["id"] for p in saved["prompts"]] == ["short", "second"] and saved["prompts"][0] == first
     assert saved["geomean_ratio"]["none"] == 1.0
 
+    # the same file again without --resume: refused, so a finished part is never overwritten by mistake
+    code, err = main(monkeypatch, capsys, *args)
+    assert code == 2 and f"{out} holds a run with 2 prompts measured: give --resume" in err
+    assert json.loads(out.read_text()) == saved
     # the same file with other settings, or a changed prompt
     code, err = main(monkeypatch, capsys, *args[:-4], "--max-tokens", "9", "--json", out, "--resume")
     assert code == 2 and "measured differently (max_tokens 8 then, 9 now)" in err and "Traceback" not in err
