@@ -29,6 +29,14 @@ def auto(c, model=None, **kw):
 REPEATING = list(range(100, 140)) * 3  # a long stretch of context that repeats itself
 
 
+def confident(a, guesses=100):
+    """An auto whose n-gram statistics have seen `guesses` guesses of 16 tokens, all accepted."""
+    for s in a.ngram_stats.values():
+        for _ in range(guesses):
+            s.update(16, 16)
+    return a
+
+
 class FakeModelDrafter:
     def __init__(self, tokens):
         self.tokens, self.calls = tokens, []
@@ -57,11 +65,7 @@ def test_never_speculates_when_only_perfect_acceptance_could_break_even():
 
 
 def test_long_ngram_drafts_when_acceptance_is_high():
-    a = auto(CPU)
-    for s in a.ngram_stats.values():
-        for _ in range(100):
-            s.update(16, 16)
-    d = a.propose(REPEATING, 16)
+    d = confident(auto(CPU)).propose(REPEATING, 16)
     assert len(d.tokens) >= 12
     assert d.tokens == REPEATING[-80:-80 + len(d.tokens)]  # what followed the previous occurrence
 
@@ -304,10 +308,7 @@ def test_calibration_key_follows_threads_and_build(smol_path, monkeypatch):
 def test_each_request_starts_from_the_same_priors():
     """Decisions depend on the request alone (case 14): a request that copied everything before it must
     not change how the next one drafts."""
-    first = auto(CPU)
-    for s in first.ngram_stats.values():
-        for _ in range(200):
-            s.update(16, 16)
+    first = confident(auto(CPU), guesses=200)
     first.run = 50
     assert len(first.propose(REPEATING, 16).tokens) >= 12
     fresh, again = auto(CPU), auto(CPU)
@@ -361,11 +362,7 @@ def test_token_kinds_from_bytes():
 
 def test_each_draft_carries_what_auto_chose_and_expected():
     """The plan is a trace beside the outcome: the chosen candidate, expected tokens and seconds at this depth."""
-    a = auto(CPU)
-    for s in a.ngram_stats.values():
-        for _ in range(100):
-            s.update(16, 16)
-    d = a.propose(REPEATING, 16)
+    d = confident(auto(CPU)).propose(REPEATING, 16)
     k = len(d.tokens)
     assert d.plan.source == "ngram" and 1 < d.plan.tokens <= k + 1
     assert d.plan.seconds == pytest.approx(CPU.verify_cost(k + 1, len(REPEATING)))
