@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,7 @@ class Run:
     failed: str | None = None          # a peer that raised: its error, on one line
     valid: bool | None = None          # under a schema: whether the output is valid JSON for it
     prediction: tuple[int, int] | None = None  # auto-pred: prediction tokens (accepted, rejected)
+    tries: list[float] | None = None   # with --repeat: each run's tokens/s, in the order they ran
 
 
 @dataclass
@@ -216,9 +218,10 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
 
     With repeat > 1 the methods of a prompt run `repeat` times, in an order rotated each time (a method
     that heats the CPU does not always precede the same one), and each keeps its median speed, so a burst
-    of other work on the machine does not decide a ratio. At temperature > 0 every method samples, peers
-    too, with `seed` when given; outputs are compared with plain's only where that means something (T = 0,
-    or our methods with a seed).
+    of other work on the machine does not decide a ratio; each run's speed is kept too (Run.tries), so the
+    table can show how far repeats of the same run move (spread). At temperature > 0 every method samples,
+    peers too, with `seed` when given; outputs are compared with plain's only where that means something
+    (T = 0, or our methods with a seed).
     """
     methods = ("none",) + tuple(m for m in methods if m != "none")
     kept = {r.id: r for r in done}
@@ -260,6 +263,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
                                                  f"{r.tps:6.1f} tok/s  {r.tokens} tokens"))
         for m, rs in tries.items():
             row.runs[m] = next((r for r in rs if r.failed), None) or sorted(rs, key=lambda r: r.tps)[len(rs) // 2]
+            row.runs[m].tries = [r.tps for r in rs] if repeat > 1 else None
         plain = row.runs["none"]
         for m, r in row.runs.items():
             r.ratio = r.tps / plain.tps if plain.tps else 0.0
@@ -298,6 +302,11 @@ def geomean(rows: list[Row], method: str) -> float | None:
     return math.exp(sum(math.log(max(x, 1e-9)) for x in ratios) / len(ratios)) if ratios else None
 
 
+def spread(r: Run) -> float | None:
+    """How much faster the fastest of a method's repeats ran than its slowest (0.05: 5%); None without repeats."""
+    return max(r.tries) / min(r.tries) - 1 if r.tries and len(r.tries) > 1 and min(r.tries) > 0 else None
+
+
 def _cell(m: str, r: Run) -> str:
     if r.failed:
         return f"failed: {r.failed[:60]}{'…' if len(r.failed) > 60 else ''}"
@@ -321,12 +330,20 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     out.append(f"| geomean ratio | {' | '.join('n/a' if g is None else f'{g:.2f}x' for g in means)} |")
     shares = {m: [r.runs[m].outside_decode for r in rows if r.runs[m].outside_decode is not None] for m in methods}
     out.append(f"| outside llama_decode | {' | '.join(f'{sum(v) / len(v):.1%}' if v else 'n/a' for v in shares.values())} |")
+    spreads = {m: [spread(r.runs[m]) for r in rows if spread(r.runs[m]) is not None] for m in methods}
+    if any(spreads.values()):
+        cells = [f"{statistics.median(v):.0%} (≤ {max(v):.0%})" if v else "n/a" for v in spreads.values()]
+        out.append(f"| spread of repeats | {' | '.join(cells)} |")
     checked = {m: [r.runs[m].valid for r in rows if r.runs[m].valid is not None] for m in methods}
     if any(checked.values()):
         out.append(f"| valid JSON | {' | '.join(f'{sum(v)}/{len(v)}' if v else 'n/a' for v in checked.values())} |")
     out.append("\ntokens/s from first to last token; (ratio) to plain in this run; NN% = acceptance rate, "
                "N.N/rd = mean accepted draft tokens per drafting round; geomean over the prompts a method ran; "
                "pred A/R = prediction tokens accepted/rejected.")
+    if any(spreads.values()):
+        out.append("Spread of repeats: the fastest of a method's runs on a prompt over its slowest, minus 1 (the "
+                   "median over prompts, and the largest): how far the same run moves on this machine from one "
+                   "repeat to the next, the noise under every ratio above.")
     if temperature == 0:
         out.append("Greedy: ≠ = output differs from plain's.")
     elif seed is None:

@@ -265,7 +265,32 @@ def test_trace_writes_each_run_of_our_methods(smol_engine, tmp_path):
                        trace_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"a_b_c.{m}.{i}.jsonl" for m in ("auto", "none")
                                                           for i in (1, 2)]     # our methods only, each repeat
+    for m in ("none", "auto", "peer-2"):  # each repeat's speed is kept, the median (of 2: the faster) shown
+        assert len(row.runs[m].tries) == 2 and row.runs[m].tps == max(row.runs[m].tries)
     for i in (1, 2):
         rounds = [json.loads(x) for x in (tmp_path / f"a_b_c.auto.{i}.jsonl").read_text().splitlines()]
         assert sum(r["emitted"] for r in rounds) == row.runs["auto"].tokens
         assert all(r["source"] in ("none", "ngram", "model") for r in rounds[:-1])  # the last: room for 1 token
+
+
+def test_the_table_shows_how_far_repeats_move_and_the_file_keeps_each_run(tmp_path):
+    """Spread: the fastest repeat over the slowest, per method, as the median over prompts and the largest;
+    saved with the run and read back by --resume; absent without repeats (or in a file saved before)."""
+    def row(pid, plain, auto):
+        return bench.Row(pid, "chat", {"none": bench.Run(sorted(plain)[1], 9, "", tries=plain, ratio=1.0),
+                                       "auto": bench.Run(sorted(auto)[1], 9, "", tries=auto, ratio=1.0)})
+
+    rows = [row("a", [8.0, 8.4, 8.2], [9.0, 9.0, 9.9]), row("b", [8.0, 8.0, 8.8], [9.0, 9.0, 9.0]),
+            row("c", [8.0, 8.16, 8.1], [9.0, 9.45, 9.0])]
+    assert bench.spread(rows[0].runs["none"]) == pytest.approx(0.05)
+    text = bench.table(rows)
+    assert "| spread of repeats | 5% (≤ 10%) | 5% (≤ 10%) |" in text and "the noise under every ratio" in text
+    settings = {"cpu": "x", "models": "y", "methods": ["none", "auto"], "max_tokens": 9, "temperature": 0.0,
+                "seed": None, "repeat": 3}
+    path, prompts = tmp_path / "run.json", [prompt(r.id, "Say hi") for r in rows]
+    bench.save(path, bench.to_json(rows, settings=settings, keys={p["id"]: bench.prompt_key(p) for p in prompts}))
+    back = bench.resumable(path, settings, prompts)
+    assert [r.runs["none"].tries for r in back] == [[8.0, 8.4, 8.2], [8.0, 8.0, 8.8], [8.0, 8.16, 8.1]]
+    assert bench.table(back) == text
+    single = [bench.Row("a", "chat", {"none": bench.Run(8.0, 9, "", ratio=1.0)})]
+    assert "spread" not in bench.table(single)
