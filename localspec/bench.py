@@ -304,7 +304,7 @@ def geomean(rows: list[Row], method: str) -> float | None:
 
 def spread(r: Run) -> float | None:
     """How much faster the fastest of a method's repeats ran than its slowest (0.05: 5%); None without repeats."""
-    return max(r.tries) / min(r.tries) - 1 if r.tries and len(r.tries) > 1 and min(r.tries) > 0 else None
+    return max(r.tries) / min(r.tries) - 1 if r.tries and min(r.tries) > 0 else None
 
 
 def _cell(m: str, r: Run) -> str:
@@ -330,8 +330,9 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     out.append(f"| geomean ratio | {' | '.join('n/a' if g is None else f'{g:.2f}x' for g in means)} |")
     shares = {m: [r.runs[m].outside_decode for r in rows if r.runs[m].outside_decode is not None] for m in methods}
     out.append(f"| outside llama_decode | {' | '.join(f'{sum(v) / len(v):.1%}' if v else 'n/a' for v in shares.values())} |")
-    spreads = {m: [spread(r.runs[m]) for r in rows if spread(r.runs[m]) is not None] for m in methods}
-    if any(spreads.values()):
+    spreads = {m: [x for r in rows if (x := spread(r.runs[m])) is not None] for m in methods}
+    repeated = any(spreads.values())
+    if repeated:
         cells = [f"{statistics.median(v):.0%} (≤ {max(v):.0%})" if v else "n/a" for v in spreads.values()]
         out.append(f"| spread of repeats | {' | '.join(cells)} |")
     checked = {m: [r.runs[m].valid for r in rows if r.runs[m].valid is not None] for m in methods}
@@ -340,7 +341,7 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     out.append("\ntokens/s from first to last token; (ratio) to plain in this run; NN% = acceptance rate, "
                "N.N/rd = mean accepted draft tokens per drafting round; geomean over the prompts a method ran; "
                "pred A/R = prediction tokens accepted/rejected.")
-    if any(spreads.values()):
+    if repeated:
         out.append("Spread of repeats: the fastest of a method's runs on a prompt over its slowest, minus 1 (the "
                    "median over prompts, and the largest): how far the same run moves on this machine from one "
                    "repeat to the next, the noise under every ratio above.")
