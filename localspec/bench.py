@@ -19,6 +19,7 @@ edited): the method `auto-pred` is `auto` given it; every other method runs with
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -65,6 +66,7 @@ class Run:
     valid: bool | None = None          # under a schema: whether the output is valid JSON for it
     prediction: tuple[int, int] | None = None  # auto-pred: prediction tokens (accepted, rejected)
     tries: list[float] | None = None   # with --repeat: each run's tokens/s, in the order they ran
+    within: float | None = None        # our methods: speed against plain priced inside the run (within_run)
 
 
 @dataclass
@@ -181,6 +183,30 @@ def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: flo
                if prediction is not None and method == "auto-pred" else None)
 
 
+def within_run(rounds: list[dict], window: int = 16) -> float | None:
+    """A run's speed against plain decoding, priced inside the run itself (rounds: engine.trace_row dicts):
+    the seconds its tokens would have taken decoded one at a time, over the seconds its rounds took (drafting
+    and verifying). A round that drafted nothing is a plain decode, its own price; a drafting round's tokens
+    are priced at the median decode of the `window` plain rounds nearest it in the run, so the machine's
+    speed at that moment cancels out. Between separate runs a shared machine drifts by more than the ratios
+    being measured (see spread); this figure is free of that drift, and assumes what the trace confirms, that
+    a method's single-token decodes cost what plain's do. 1.0 for a run that never drafted; None for one with
+    fewer than `window` plain rounds to price by."""
+    single = [(i, r["verify_s"]) for i, r in enumerate(rounds) if r["drafted"] == 0]
+    if len(single) < window:
+        return None
+    at = [i for i, _ in single]
+    plain = spent = 0.0
+    for i, r in enumerate(rounds):
+        spent += r["draft_s"] + r["verify_s"]
+        if r["drafted"] == 0:
+            plain += r["verify_s"]
+        else:
+            lo = min(max(bisect.bisect(at, i) - window // 2, 0), len(single) - window)
+            plain += r["emitted"] * statistics.median(s for _, s in single[lo:lo + window])
+    return plain / spent if spent > 0 else None
+
+
 def _peer(llama, tokens: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None,
           schema: dict | None = None) -> Run:
     llama.reset()
@@ -213,6 +239,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
 
     Rows in `done` (a saved run being resumed) are kept for their prompts, which are not run again; after
     each prompt, `on_row` gets the rows so far (kept and new, in prompt order), so a caller can save them.
+    Each run of our methods is also priced inside itself (Run.within, within_run; with repeats the median).
     With `trace_dir`, each run of our methods writes its rounds there (trace_path; one engine.trace_row per
     line), after the run, so the writing is not timed.
 
@@ -250,10 +277,11 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
                     peer.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=PEERS[m]) if PEERS[m] else None
                     r = _peer(peer, tokens, max_tokens, temperature, seed, schema)
                 else:
-                    rounds = [] if trace_dir is not None else None
+                    rounds = []
                     r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema, p.get("prediction"),
-                              None if rounds is None else rounds.append)
-                    if rounds is not None:
+                              rounds.append)
+                    r.within = within_run(rounds)
+                    if trace_dir is not None:
                         trace_path(trace_dir, p["id"], m, i).write_text(
                             "".join(json.dumps(x) + "\n" for x in rounds), encoding="utf-8")
                 if schema is not None and not r.failed:
@@ -264,6 +292,8 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
         for m, rs in tries.items():
             row.runs[m] = next((r for r in rs if r.failed), None) or sorted(rs, key=lambda r: r.tps)[len(rs) // 2]
             row.runs[m].tries = [r.tps for r in rs] if repeat > 1 else None
+            inside = [r.within for r in rs if r.within is not None]
+            row.runs[m].within = statistics.median(inside) if inside else None
         plain = row.runs["none"]
         for m, r in row.runs.items():
             r.ratio = r.tps / plain.tps if plain.tps else 0.0
@@ -330,6 +360,11 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     out.append(f"| geomean ratio | {' | '.join('n/a' if g is None else f'{g:.2f}x' for g in means)} |")
     shares = {m: [r.runs[m].outside_decode for r in rows if r.runs[m].outside_decode is not None] for m in methods}
     out.append(f"| outside llama_decode | {' | '.join(f'{sum(v) / len(v):.1%}' if v else 'n/a' for v in shares.values())} |")
+    inside = {m: [x for r in rows if (x := r.runs[m].within) is not None] for m in methods}
+    if any(inside.values()):
+        cells = [f"{math.exp(sum(map(math.log, v)) / len(v)):.2f}x (≥ {min(v):.2f}x)" if v else "n/a"
+                 for v in inside.values()]
+        out.append(f"| within the run | {' | '.join(cells)} |")
     spreads = {m: [x for r in rows if (x := spread(r.runs[m])) is not None] for m in methods}
     repeated = any(spreads.values())
     if repeated:
@@ -341,6 +376,10 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     out.append("\ntokens/s from first to last token; (ratio) to plain in this run; NN% = acceptance rate, "
                "N.N/rd = mean accepted draft tokens per drafting round; geomean over the prompts a method ran; "
                "pred A/R = prediction tokens accepted/rejected.")
+    if any(inside.values()):
+        out.append("Within the run: the speed against plain decoding priced inside each run, its drafting rounds "
+                   "against its own single-token decodes nearest them (geomean over prompts, and the lowest), free "
+                   "of the machine's drift between runs; n/a where a run had under 16 single-token rounds.")
     if repeated:
         out.append("Spread of repeats: the fastest of a method's runs on a prompt over its slowest, minus 1 (the "
                    "median over prompts, and the largest): how far the same run moves on this machine from one "

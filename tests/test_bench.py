@@ -294,3 +294,33 @@ def test_the_table_shows_how_far_repeats_move_and_the_file_keeps_each_run(tmp_pa
     assert bench.table(back) == text
     single = [bench.Row("a", "chat", {"none": bench.Run(8.0, 9, "", ratio=1.0)})]
     assert "spread" not in bench.table(single)
+
+
+def test_within_the_run_prices_drafting_rounds_at_the_single_decodes_around_them():
+    """A drafting round's tokens cost what the nearest single-token decodes did, so a machine that slows
+    down halfway through a run does not move the figure; the draft time is charged, never priced as plain."""
+    def single(s):
+        return {"drafted": 0, "accepted": 0, "emitted": 1, "draft_s": 0.001, "verify_s": s}
+
+    def drafted(s, emitted):
+        return {"drafted": 4, "accepted": emitted - 1, "emitted": emitted, "draft_s": 0.002, "verify_s": s}
+
+    assert bench.within_run([single(0.1)] * 20) == pytest.approx(2.0 / 2.02)  # never drafted: its own price
+    # a round of 3 tokens in 0.2 s among 0.1 s decodes (plain: 0.3 s); then the machine halves its speed, and a
+    # round of 3 tokens in 0.4 s among 0.2 s decodes (plain: 0.6 s): each priced by its own neighbours
+    fast, slow = [single(0.1)] * 16, [single(0.2)] * 16
+    rounds = fast + [drafted(0.2, 3)] + fast + slow + [drafted(0.4, 3)] + slow
+    plain, spent = 3.2 + 0.3 + 6.4 + 0.6, 3.2 + 0.202 + 6.4 + 0.402 + 64 * 0.001
+    assert bench.within_run(rounds) == pytest.approx(plain / spent)
+    assert bench.within_run([single(0.1)] * 15 + [drafted(0.2, 3)]) is None  # too few decodes to price by
+
+
+def test_each_run_of_our_methods_is_priced_within_itself(smol_engine, tmp_path):
+    """Plain prices at its own speed; a drafter's figure is the one its written trace gives; peers have none
+    (no rounds to read); the table shows the row."""
+    (row,) = bench.run(smol_engine, [LONG], methods=("none", "ngram", "peer-2"), max_tokens=48, trace_dir=tmp_path)
+    assert row.runs["none"].within == pytest.approx(1.0, abs=1e-3) and row.runs["peer-2"].within is None
+    rounds = [json.loads(x) for x in (tmp_path / "long.ngram.1.jsonl").read_text().splitlines()]
+    assert sum(r["drafted"] > 0 for r in rounds) > 0 and sum(r["drafted"] == 0 for r in rounds) >= 16
+    assert row.runs["ngram"].within == bench.within_run(rounds) > 0
+    assert "| within the run | 1.00x (≥ 1.00x) |" in bench.table([row])
