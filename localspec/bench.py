@@ -183,7 +183,10 @@ def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: flo
                if prediction is not None and method == "auto-pred" else None)
 
 
-def within_run(rounds: list[dict], window: int = 16) -> float | None:
+WITHIN_WINDOW = 16  # plain rounds that price each drafting round in within_run
+
+
+def within_run(rounds: list[dict], window: int = WITHIN_WINDOW) -> float | None:
     """A run's speed against plain decoding, priced inside the run itself (rounds: engine.trace_row dicts):
     the seconds its tokens would have taken decoded one at a time, over the seconds its rounds took (drafting
     and verifying). A round that drafted nothing is a plain decode, its own price; a drafting round's tokens
@@ -326,10 +329,13 @@ def valid(text: str, schema: dict) -> bool | None:
         return False
 
 
+def _gmean(values: list[float]) -> float | None:
+    return math.exp(sum(math.log(max(x, 1e-9)) for x in values) / len(values)) if values else None
+
+
 def geomean(rows: list[Row], method: str) -> float | None:
     """Geometric mean of the ratios to plain over the prompts where the method ran; None when it never did."""
-    ratios = [r.runs[method].ratio for r in rows if not r.runs[method].failed]
-    return math.exp(sum(math.log(max(x, 1e-9)) for x in ratios) / len(ratios)) if ratios else None
+    return _gmean([r.runs[method].ratio for r in rows if not r.runs[method].failed])
 
 
 def spread(r: Run) -> float | None:
@@ -361,9 +367,9 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     shares = {m: [r.runs[m].outside_decode for r in rows if r.runs[m].outside_decode is not None] for m in methods}
     out.append(f"| outside llama_decode | {' | '.join(f'{sum(v) / len(v):.1%}' if v else 'n/a' for v in shares.values())} |")
     inside = {m: [x for r in rows if (x := r.runs[m].within) is not None] for m in methods}
-    if any(inside.values()):
-        cells = [f"{math.exp(sum(map(math.log, v)) / len(v)):.2f}x (≥ {min(v):.2f}x)" if v else "n/a"
-                 for v in inside.values()]
+    priced = any(inside.values())
+    if priced:
+        cells = [f"{_gmean(v):.2f}x (≥ {min(v):.2f}x)" if v else "n/a" for v in inside.values()]
         out.append(f"| within the run | {' | '.join(cells)} |")
     spreads = {m: [x for r in rows if (x := spread(r.runs[m])) is not None] for m in methods}
     repeated = any(spreads.values())
@@ -376,10 +382,11 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     out.append("\ntokens/s from first to last token; (ratio) to plain in this run; NN% = acceptance rate, "
                "N.N/rd = mean accepted draft tokens per drafting round; geomean over the prompts a method ran; "
                "pred A/R = prediction tokens accepted/rejected.")
-    if any(inside.values()):
+    if priced:
         out.append("Within the run: the speed against plain decoding priced inside each run, its drafting rounds "
                    "against its own single-token decodes nearest them (geomean over prompts, and the lowest), free "
-                   "of the machine's drift between runs; n/a where a run had under 16 single-token rounds.")
+                   "of the machine's drift between runs; n/a where a run had under "
+                   f"{WITHIN_WINDOW} single-token rounds.")
     if repeated:
         out.append("Spread of repeats: the fastest of a method's runs on a prompt over its slowest, minus 1 (the "
                    "median over prompts, and the largest): how far the same run moves on this machine from one "
