@@ -381,8 +381,10 @@ class AutoDrafter:
     and acceptance rates a_i learned as it goes. Plain decoding (1 / verify(1)) is always a candidate, so
     auto never speculates when nothing is expected to beat it. N-gram lookups cost nothing, so every one is
     also scored against the tokens that actually follow, whether it was drafted or not: the policy notices
-    at once when the text becomes predictable. The draft model is re-probed now and then, less often each
-    time it loses.
+    at once when the text becomes predictable. The draft model is probed in the first round it could draft,
+    then again now and then (less often each time it loses), but only while its cache is at most PROBE_LAG
+    tokens behind: after a long stretch of plain decoding it is not probed again in that request, since a
+    probe would first pay for catching its cache up.
 
     Under a grammar, the tokens it forces open every draft, priced with their own learned acceptance (nearly
     always accepted, yet a model may spell the same bytes otherwise), then the token spelling the rest of
