@@ -10,7 +10,8 @@ model's own greedy proposals at every position (with its top probabilities, for 
     (the tokens a grammar forces, an n-gram continuation, the draft model's proposal), choosing per position
     a plain step or a draft of any length;
   - `auto`, fed the same outputs, making its own decisions as in a live run;
-  - the fixed drafters: none, ngram k 4, ngram k 16, model k 4.
+  - the fixed drafters: none, ngram k 4, ngram k 16, model k 4;
+and, once, the draft model's profile as model k 4: how often it drafts, how much, how much of that holds.
 A draft-model round also pays for catching the draft's cache up over the tokens since it last ran (the
 cost per token measured by the calibration; a quarter of a draft step on curves that lack it).
 
@@ -141,6 +142,36 @@ class Recorded:
         return Draft(list(toks[:k]))
 
 
+def draft_profile(run, p_min: float = 0.75, k: int = 4) -> dict[str, float]:
+    """What the draft model's recorded proposals do as a fixed k-token drafter cut by p_min, per round:
+    how often it drafts at all (its first token sure enough), the tokens it drafts, the share of those
+    accepted, and the same after a round whose k tokens were all drafted and all accepted ('hot') and after
+    any other round ('cold'). Its drafts hold about as often everywhere; how far it is sure varies, and in
+    streaks."""
+    props, out = run["draft"], run["out"]
+    n = {key: 0 for key in ("rounds", "any", "drafted", "accepted")}
+    streak = {hot: [0, 0, 0] for hot in (False, True)}  # rounds, rounds that drafted, drafted tokens accepted
+    t, hot = 0, False
+    while t < len(out) - 1:
+        toks, probs = props[t]
+        d = next((i for i, q in enumerate(probs[:k]) if q < p_min), min(k, len(toks)))
+        a = agreed(toks[:d], out[t:])
+        n["rounds"] += 1
+        n["any"] += d > 0
+        n["drafted"] += d
+        n["accepted"] += a
+        streak[hot][0] += 1
+        streak[hot][1] += d > 0
+        streak[hot][2] += a
+        hot = d == k and a == k
+        t += a + 1
+    rounds = max(n["rounds"], 1)
+    return {"drafts": n["any"] / rounds, "tokens": n["drafted"] / rounds,
+            "accepted": n["accepted"] / max(n["drafted"], 1), "hot": streak[True][0] / rounds,
+            "hot_drafts": streak[True][1] / max(streak[True][0], 1),
+            "cold_drafts": streak[False][1] / max(streak[False][0], 1)}
+
+
 def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None = None) -> float:
     """Seconds to produce the run's output under a policy ('oracle', 'auto', 'auto-warm', 'none', 'ngram4',
     'ngram16', 'model4').
@@ -244,6 +275,17 @@ def replay(a) -> None:
     policies = (["oracle", "auto", "auto-warm"] + (["auto-pred"] if any("prediction" in r for r in data["runs"]) else [])
                 + fixed)
     gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
+    if "model4" in fixed:
+        print("## the draft model as model k 4 (p_min 0.75), per round: drafts at all / tokens drafted / "
+              "share accepted; rounds after one that held all 4 (hot): their share, and how often they draft "
+              "vs the other rounds (cold)")
+        print("| prompt | drafts | tokens | accepted | hot rounds | drafts when hot | drafts when cold |")
+        print("|---" * 7 + "|")
+        for run in data["runs"]:
+            if "draft" in run:
+                d = draft_profile(run)
+                print(f"| {run['id']} | {d['drafts']:.0%} | {d['tokens']:.2f} | {d['accepted']:.0%} | {d['hot']:.0%} "
+                      f"| {d['hot_drafts']:.0%} | {d['cold_drafts']:.0%} |")
     for name in (list(curves) if a.costs == "all" else [a.costs, *(Path(f).stem for f in a.costs_file or ())]):
         costs = curves[name]
         print(f"\n## costs: {name} (verify 1/2/5/17: " +

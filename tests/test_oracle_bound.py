@@ -1,6 +1,7 @@
 """scripts/oracle_bound.py end to end on SmolLM2 (tier 2): record real outputs, draft proposals and this host's
-costs, then replay them on every cost curve. The ceiling is a bound: with perfect foresight over the same
-candidates, no policy that drafts from them (auto, and auto with learned statistics) may beat it.
+costs, then replay them on every cost curve (and profile the draft model's proposals once). The ceiling is a
+bound: with perfect foresight over the same candidates, no policy that drafts from them (auto, and auto with
+learned statistics) may beat it.
 """
 from __future__ import annotations
 
@@ -32,10 +33,15 @@ def test_record_then_replay_bounds_every_policy(smol_path, tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "replay", str(rec), "--costs", "all"], check=True,
                          capture_output=True, text=True, timeout=600).stdout
     assert out.count("## costs:") == 5   # host, amd1, amd2, intel, zen1
-    header = next(line for line in out.splitlines() if line.startswith("| prompt |"))
+    # the draft model's profile, once (it does not depend on the curve): only for the run it drafted in
+    profile = [line for line in out.split("## costs:")[0].splitlines() if line.startswith(("| repeat", "| json"))]
+    assert len(profile) == 1 and profile[0].startswith("| repeat")
+    shares = [int(x) for x in re.findall(r"(\d+)%", profile[0])]
+    assert len(shares) == 5 and all(0 <= x <= 100 for x in shares)
+    header = next(line for line in out.split("## costs:")[1].splitlines() if line.startswith("| prompt |"))
     cols = [c.strip() for c in header.strip("|").split("|")]
     assert cols[:4] == ["prompt", "oracle", "auto", "auto-warm"] and "model4" in cols
-    rows = [line for line in out.splitlines() if line.startswith(("| repeat", "| json"))]
+    rows = [line for line in out.split("## costs:", 1)[1].splitlines() if line.startswith(("| repeat", "| json"))]
     assert len(rows) == 10
     for line in rows:
         ratio = dict(zip(cols[1:], (float(x) for x in re.findall(r"(\d+\.\d+)x", line))))
