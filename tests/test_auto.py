@@ -17,6 +17,8 @@ def costs(verify, draft, sample_row=0.0):
 
 # This machine's kind of CPU (../shared/MODELS.md): verifying 5 tokens costs ~3 single decodes.
 CPU = costs(np.interp(SIZES, [1, 2, 4, 6, 8, 16, 32], [29, 38, 63, 90, 106, 119, 211]) / 1e3, 0.016)
+# The other kind of CPU of the same machine kind (MODELS.md): decoding slower, verifying 5 tokens ~2 decodes.
+INTEL = costs(np.interp(SIZES, [1, 2, 3, 5, 8, 17, 33], [68, 100, 130, 141, 208, 308, 493]) / 1e3, 0.0315)
 # Verification that costs n decodes for n tokens: speculation can never pay.
 LINEAR = costs([0.029 * n for n in SIZES], 0.016)
 # A GPU: a 33-token verify costs about one decode, and the draft is cheap.
@@ -369,3 +371,16 @@ def test_each_draft_carries_what_auto_chose_and_expected():
     plain = auto(LINEAR).propose(REPEATING, 16)       # nothing can beat plain decoding: none, and its cost
     assert plain.tokens == [] and plain.plan.source == "none" and plain.plan.tokens == 1.0
     assert plain.plan.seconds == pytest.approx(LINEAR.verify_cost(1, len(REPEATING)))
+
+
+def test_a_copy_whose_first_token_holds_is_expected_to_go_on():
+    """Only first tokens taught (each held, nothing further seen): a copy from the prompt is still drafted
+    long, its later tokens priced at the continuation prior, not at the first token's."""
+    prompt = list(range(100, 140))
+    a = auto(INTEL)
+    a.propose(prompt, 16)  # the output starts here
+    for s in a.ngram_stats.values():
+        for _ in range(20):
+            s.update(1, 1)
+    d = a.propose(prompt + [110, 111], 16)  # "110 111" occurs in the prompt, followed by 112...
+    assert d.plan.source == "ngram" and d.tokens[:4] == [112, 113, 114, 115]
