@@ -143,33 +143,29 @@ class Recorded:
 
 
 def draft_profile(run, p_min: float = 0.75, k: int = 4) -> dict[str, float]:
-    """What the draft model's recorded proposals do as a fixed k-token drafter cut by p_min, per round:
-    how often it drafts at all (its first token sure enough), the tokens it drafts, the share of those
-    accepted, and the same after a round whose k tokens were all drafted and all accepted ('hot') and after
-    any other round ('cold'). Its drafts hold about as often everywhere; how far it is sure varies, and in
-    streaks."""
+    """What the draft model's recorded proposals do as a fixed k-token drafter cut by p_min, per round: how
+    often it drafts at all (its first token sure enough), the tokens it drafts, the share of those accepted;
+    the share of rounds after one whose k tokens were all drafted and accepted ('hot'), and how often it
+    drafts in those and in the others ('cold'). Its drafts hold about as often everywhere; how often it is
+    sure varies, and in streaks."""
     props, out = run["draft"], run["out"]
-    n = {key: 0 for key in ("rounds", "any", "drafted", "accepted")}
-    streak = {hot: [0, 0, 0] for hot in (False, True)}  # rounds, rounds that drafted, drafted tokens accepted
+    drafted = accepted = 0
+    rounds = {False: [0, 0], True: [0, 0]}  # cold, hot: rounds, rounds that drafted
     t, hot = 0, False
     while t < len(out) - 1:
         toks, probs = props[t]
         d = next((i for i, q in enumerate(probs[:k]) if q < p_min), min(k, len(toks)))
         a = agreed(toks[:d], out[t:])
-        n["rounds"] += 1
-        n["any"] += d > 0
-        n["drafted"] += d
-        n["accepted"] += a
-        streak[hot][0] += 1
-        streak[hot][1] += d > 0
-        streak[hot][2] += a
+        drafted, accepted = drafted + d, accepted + a
+        rounds[hot][0] += 1
+        rounds[hot][1] += d > 0
         hot = d == k and a == k
         t += a + 1
-    rounds = max(n["rounds"], 1)
-    return {"drafts": n["any"] / rounds, "tokens": n["drafted"] / rounds,
-            "accepted": n["accepted"] / max(n["drafted"], 1), "hot": streak[True][0] / rounds,
-            "hot_drafts": streak[True][1] / max(streak[True][0], 1),
-            "cold_drafts": streak[False][1] / max(streak[False][0], 1)}
+    n = max(rounds[False][0] + rounds[True][0], 1)
+    return {"drafts": (rounds[False][1] + rounds[True][1]) / n, "tokens": drafted / n,
+            "accepted": accepted / max(drafted, 1), "hot": rounds[True][0] / n,
+            "hot_drafts": rounds[True][1] / max(rounds[True][0], 1),
+            "cold_drafts": rounds[False][1] / max(rounds[False][0], 1)}
 
 
 def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None = None) -> float:
