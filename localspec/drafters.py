@@ -436,12 +436,13 @@ class AutoDrafter:
         # Under a grammar, prompt copies and the kinds of token start from what JSON extraction showed (above),
         # with one prior for every position, as they were measured (the shape lost 1% there on AMD curves).
         copying = grammar is not None
+        cont = {} if copying else CONTINUE  # under a grammar, later positions start from the first's prior
 
-        def prior(p0: float, run: int, origin: str) -> float | np.ndarray:
+        def prior(p0: float, run: int, origin: str) -> np.ndarray:
             p = 0.1 if origin == "split" else (p0, 0.4 if copying else 0.3, 0.85)[run]
-            if copying:  # one prior for every position
-                return max(p, GRAMMAR_PROMPT_PRIOR) if origin == "prompt" and run < 2 else p
-            return np.concatenate([[p], np.full(k_max - 1, max(p, CONTINUE[origin]))])
+            if copying and origin == "prompt" and run < 2:
+                p = max(p, GRAMMAR_PROMPT_PRIOR)
+            return np.concatenate([[p], np.full(k_max - 1, max(p, cont.get(origin, p)))])
 
         self.ngram_stats = {(size, run, origin): AcceptanceStats(k_max, prior(p0, run, origin))
                             for size, p0 in ((1, 0.1), (2, 0.25), (3, 0.35), (4, 0.45), (6, 0.55))
