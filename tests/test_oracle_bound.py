@@ -6,6 +6,7 @@ learned statistics) may beat it.
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -48,3 +49,10 @@ def test_record_then_replay_bounds_every_policy(smol_path, tmp_path):
         assert ratio["none"] == 1.0
         assert ratio["oracle"] >= max(ratio["auto"], ratio["auto-warm"], 1.0) - 1e-9, line
     assert out.count("auto-warm (statistics learned from the output in advance) captures") == 5
+    # the per-prompt hindsight pick among the fixed drafters: the geomean of each prompt's best fixed column
+    fixed = [c for c in cols if c in ("none", "ngram4", "ngram16", "model4")]
+    for section in out.split("## costs:")[1:]:
+        best = [max(v for c, v in zip(cols[1:], map(float, re.findall(r"(\d+\.\d+)x", line))) if c in fixed)
+                for line in section.splitlines() if line.startswith(("| repeat", "| json"))]
+        pick = float(re.search(r"picked in hindsight: (\d+\.\d+)x", section).group(1))
+        assert len(best) == 2 and abs(pick - math.sqrt(best[0] * best[1])) < 0.015, section
