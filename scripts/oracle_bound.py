@@ -8,7 +8,8 @@ model's own greedy proposals at every position (with its top probabilities, for 
 `replay` then prices, with a cost curve — this host's, or one measured on another host (MODELS.md) —
   - the ceiling: dynamic programming with perfect foresight over what could be drafted at each position
     (the tokens a grammar forces, an n-gram continuation, the draft model's proposal), choosing per position
-    a plain step or a draft of any length;
+    a plain step or a draft of any length, a draft-model round paying what it pays `auto` (below); and the
+    ceiling without the draft model;
   - `auto`, fed the same outputs, making its own decisions as in a live run;
   - the fixed drafters: none, ngram k 4, ngram k 16, model k 4;
 and, once, the draft model's profile as model k 4: how often it drafts, how much, how much of that holds.
@@ -169,8 +170,8 @@ def draft_profile(run, p_min: float = 0.75, k: int = 4) -> dict[str, float]:
 
 
 def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None = None) -> float:
-    """Seconds to produce the run's output under a policy ('oracle', 'auto', 'auto-warm', 'none', 'ngram4',
-    'ngram16', 'model4').
+    """Seconds to produce the run's output under a policy ('oracle', 'oracle-no-model', 'auto', 'auto-warm',
+    'none', 'ngram4', 'ngram16', 'model4').
 
     auto-warm is auto whose acceptance statistics have already learned this very output (replayed once
     untimed, then timed): what better estimates alone could give within auto's decision rule."""
@@ -193,32 +194,9 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     draft_step = costs.draft_cost(len(prompt))
     props = run.get("draft")
     if policy == "oracle":
-        lookup, g, cands = NgramDrafter(n_min=1, n_max=8).lookup, grammar(), []
-        oracle_pred = Prediction(run["prediction"], len(prompt)) if run.get("prediction") else None
-        for t in range(n):
-            forced = g.forced()[:K] if g is not None else []
-            guess = g.spelled(forced) if g is not None and len(forced) < K else []
-            cands.append([])
-            # what the grammar forces, with and without the token spelling the rest of its forced bytes
-            for lead in [forced] + ([forced + guess] if guess else []):
-                cont = lookup(seq[:len(prompt) + t] + lead, K - len(lead)).tokens if len(lead) < K else []
-                cand = lead + cont
-                cands[-1].append((cand[:g.validate(cand)] if g is not None else cand, 0.0))
-            if props is not None:  # the draft model's proposal, each token priced (catch-up ignored: a bound)
-                cands[-1].append((props[t][0], draft_step))
-            if oracle_pred is not None:
-                cands[-1].append((oracle_pred.lookup(seq[:len(prompt) + t], K_PREDICTION)[1], 0.0))
-            if g is not None:
-                g.consume(out[t:t + 1])
-        best = [0.0] * (n + 1)
-        for t in range(n - 1, -1, -1):
-            options = [c(1, t) + best[t + 1]]
-            for cand, per_token in cands[t]:
-                m = agreed(cand, out[t:])
-                for kk in range(1, len(cand) + 1):
-                    options.append(c(kk + 1, t) + per_token * kk + best[t + min(min(m, kk) + 1, n - t)])
-            best[t] = min(options)
-        return best[0]
+        return _ceiling(run, costs, grammar(), c)
+    if policy == "oracle-no-model":  # the ceiling over what costs nothing to draft: no draft model
+        return _ceiling({k: v for k, v in run.items() if k != "draft"}, costs, grammar(), c)
     g = grammar()
     model = (Recorded(props, len(prompt), 0.75, costs.fill_cost(len(prompt)), draft_step)
              if props is not None else None)
@@ -252,6 +230,55 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
             g.consume(out[t:t + gained])
         t, spent = t + gained, spent + c(len(d.tokens) + 1, t)
     return spent + (model.spent if model is not None else 0.0)
+
+
+def _ceiling(run, costs: Costs, g, c) -> float:
+    """The ceiling: the least time to produce the output, choosing at each position with perfect foresight a
+    plain step or a draft of any length from any candidate (the tokens a grammar forces, with and without the
+    token spelling the rest of their bytes, then an n-gram continuation; the draft model's proposal; the
+    request's prediction).
+
+    A draft-model round pays, as in `auto`'s replay, one draft step per token and the catch-up of the draft's
+    cache over the tokens since it last ran, so the dynamic programme's state is the position and how far the
+    draft's cache reaches (where a round left it: the context and all but the last drafted token). Not paid:
+    the step that finds the draft too unsure to go on (the ceiling drafts exactly the tokens it wants)."""
+    prompt, out, n = run["prompt"], run["out"], len(run["out"])
+    seq, props = prompt + out, run.get("draft")
+    lookup, cands, model = NgramDrafter(n_min=1, n_max=8).lookup, [], []
+    pred = Prediction(run["prediction"], len(prompt)) if run.get("prediction") else None
+    for t in range(n):
+        forced = g.forced()[:K] if g is not None else []
+        guess = g.spelled(forced) if g is not None and len(forced) < K else []
+        cands.append([])
+        for lead in [forced] + ([forced + guess] if guess else []):
+            cont = lookup(seq[:len(prompt) + t] + lead, K - len(lead)).tokens if len(lead) < K else []
+            cand = lead + cont
+            cands[-1].append(cand[:g.validate(cand)] if g is not None else cand)
+        if pred is not None:
+            cands[-1].append(pred.lookup(seq[:len(prompt) + t], K_PREDICTION)[1])
+        model.append(props[t][0] if props is not None else [])
+        if g is not None:
+            g.consume(out[t:t + 1])
+    step = costs.draft_cost(len(prompt)) if props is not None else 0.0
+    fill = costs.fill_cost(len(prompt)) if props is not None else 0.0
+    # best[t][s + 1]: least seconds from position t with the draft's cache reaching output position s (-1: the
+    # prompt less its last token, as prefilled before generation starts)
+    width = n + K + 2
+    best = np.zeros((n + 1, width))
+    reach = np.arange(-1, width - 1)
+    for t in range(n - 1, -1, -1):
+        row = c(1, t) + best[t + 1]
+        for cand in cands[t]:
+            m = agreed(cand, out[t:])
+            for kk in range(1, len(cand) + 1):
+                row = np.minimum(row, c(kk + 1, t) + best[t + min(min(m, kk) + 1, n - t)])
+        m = agreed(model[t], out[t:])
+        catch_up = fill * np.maximum(t - reach, 0)
+        for kk in range(1, len(model[t]) + 1):
+            after = best[t + min(min(m, kk) + 1, n - t), min(t + kk - 1, width - 2) + 1]
+            row = np.minimum(row, c(kk + 1, t) + step * kk + catch_up + after)
+        best[t] = row
+    return float(best[0, 0])
 
 
 def _from_model(auto) -> bool:
@@ -301,6 +328,11 @@ def replay(a) -> None:
         print("| **geomean** | " + " | ".join(f"**{g[p]:.2f}x**" for p in policies) + f" | {share['auto']:.0%} |")
         print(f"auto-warm (statistics learned from the output in advance) captures {share['auto-warm']:.0%} "
               "of the ceiling's gain")
+        if "model4" in fixed:  # how much of the ceiling is the draft model's, and auto's share of the rest
+            bare = gm([replay_one(run, costs, "none", target) / replay_one(run, costs, "oracle-no-model", target)
+                       for run in data["runs"]])
+            print(f"the ceiling without the draft model: {bare:.2f}x (auto captures "
+                  f"{(g['auto'] - 1) / max(bare - 1, 1e-9):.0%} of its gain)")
         # a selector that knew, for each prompt, which fixed drafter (or plain decoding) would be fastest on it
         pick = gm([max(ratios[p][i] for p in fixed) for i in range(len(data["runs"]))])
         print(f"the best fixed drafter of each prompt, picked in hindsight: {pick:.2f}x "

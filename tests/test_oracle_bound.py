@@ -56,3 +56,30 @@ def test_record_then_replay_bounds_every_policy(smol_path, tmp_path):
                 for line in section.splitlines() if line.startswith(("| repeat", "| json"))]
         pick = float(re.search(r"picked in hindsight: (\d+\.\d+)x", section).group(1))
         assert len(best) == 2 and abs(pick - math.sqrt(best[0] * best[1])) < 0.015, section
+    bare = [float(x) for x in re.findall(r"the ceiling without the draft model: (\d+\.\d+)x", out)]
+    ceilings = [float(x) for x in re.findall(r"\| \*\*geomean\*\* \| \*\*(\d+\.\d+)x\*\*", out)]
+    assert len(bare) == len(ceilings) == 5
+    assert all(1.0 <= b <= c + 0.005 for b, c in zip(bare, ceilings))   # fewer candidates, never a higher bound
+
+
+def _ceiling_seconds(fill_ms: float | None) -> tuple[float, float]:
+    """The ceiling's seconds, with and without the draft model, on a made-up run whose draft model is always
+    right and whose output never repeats itself."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import oracle_bound as ob
+
+    out = list(range(100, 140))
+    run = {"prompt": [1, 2, 3], "out": out, "draft": [(out[t:t + 4], [1.0] * len(out[t:t + 4])) for t in range(40)]}
+    costs = ob.curve({1: 50, 2: 60, 5: 80, 17: 200}, 10.0, fill_ms=fill_ms)
+    return ob.replay_one(run, costs, "oracle"), ob.replay_one(run, costs, "oracle-no-model")
+
+
+def test_the_ceiling_pays_the_draft_models_catch_up():
+    """A draft-model round pays for catching the draft's cache up over the tokens since it last ran, as auto's
+    rounds do in the replay: the dearer that is, the lower the ceiling, down to the ceiling without the model."""
+    free, bare = _ceiling_seconds(0.0)
+    some, _ = _ceiling_seconds(5.0)
+    dear, _ = _ceiling_seconds(1000.0)
+    assert free < some < bare == dear
+    # at no catch-up cost: every round drafts 4 tokens that hold and emits 5 (the last round what is left)
+    assert math.isclose(free, 8 * (0.080 + 0.040), rel_tol=1e-6), free
