@@ -272,11 +272,11 @@ def _ceiling(run, costs: Costs, g, c) -> float:
             m = agreed(cand, out[t:])
             for kk in range(1, len(cand) + 1):
                 row = np.minimum(row, c(kk + 1, t) + best[t + min(min(m, kk) + 1, n - t)])
-        m = agreed(model[t], out[t:])
-        catch_up = fill * np.maximum(t - reach, 0)
-        for kk in range(1, len(model[t]) + 1):
-            after = best[t + min(min(m, kk) + 1, n - t), min(t + kk - 1, width - 2) + 1]
-            row = np.minimum(row, c(kk + 1, t) + step * kk + catch_up + after)
+        if model[t]:
+            m, catch_up = agreed(model[t], out[t:]), fill * np.maximum(t - reach, 0)
+            for kk in range(1, len(model[t]) + 1):
+                after = best[t + min(min(m, kk) + 1, n - t), min(t + kk - 1, width - 2) + 1]
+                row = np.minimum(row, c(kk + 1, t) + step * kk + catch_up + after)
         best[t] = row
     return float(best[0, 0])
 
@@ -316,11 +316,14 @@ def replay(a) -> None:
         print("| prompt | " + " | ".join(policies) + " | auto's share of the ceiling's gain |")
         print("|---" * (len(policies) + 2) + "|")
         ratios = {p: [] for p in policies}
+        bare = []  # the ceiling without the draft model, per prompt (printed only where it drafted)
         for run in data["runs"]:
             plain = replay_one(run, costs, "none", target)
             row = {p: plain / replay_one(run, costs, p, target) for p in policies}
             for p in policies:
                 ratios[p].append(row[p])
+            if "model4" in fixed:
+                bare.append(plain / replay_one(run, costs, "oracle-no-model", target))
             share = (row["auto"] - 1) / (row["oracle"] - 1) if row["oracle"] > 1.001 else 1.0
             print(f"| {run['id']} | " + " | ".join(f"{row[p]:.2f}x" for p in policies) + f" | {share:.0%} |")
         g = {p: gm(ratios[p]) for p in policies}
@@ -328,16 +331,15 @@ def replay(a) -> None:
         print("| **geomean** | " + " | ".join(f"**{g[p]:.2f}x**" for p in policies) + f" | {share['auto']:.0%} |")
         print(f"auto-warm (statistics learned from the output in advance) captures {share['auto-warm']:.0%} "
               "of the ceiling's gain")
-        if "model4" in fixed:  # how much of the ceiling is the draft model's, and auto's share of the rest
-            bare = gm([replay_one(run, costs, "none", target) / replay_one(run, costs, "oracle-no-model", target)
-                       for run in data["runs"]])
-            print(f"the ceiling without the draft model: {bare:.2f}x (auto captures "
-                  f"{(g['auto'] - 1) / max(bare - 1, 1e-9):.0%} of its gain)")
+        if bare:  # how much of the ceiling is the draft model's, and auto's share of the rest
+            print(f"the ceiling without the draft model: {gm(bare):.2f}x (auto captures "
+                  f"{(g['auto'] - 1) / max(gm(bare) - 1, 1e-9):.0%} of its gain)")
         # a selector that knew, for each prompt, which fixed drafter (or plain decoding) would be fastest on it
-        pick = gm([max(ratios[p][i] for p in fixed) for i in range(len(data["runs"]))])
+        best_fixed = [max(ratios[p][i] for p in fixed) for i in range(len(data["runs"]))]
+        pick = gm(best_fixed)
         print(f"the best fixed drafter of each prompt, picked in hindsight: {pick:.2f}x "
               f"({(pick - 1) / max(g['oracle'] - 1, 1e-9):.0%} of the ceiling's gain; auto {g['auto'] - pick:+.2f})")
-        worst = min(min(ratios["auto"][i] - max(ratios[p][i] for p in fixed) for i in range(len(data["runs"]))), 9)
+        worst = min(min(a - b for a, b in zip(ratios["auto"], best_fixed)), 9)
         print(f"auto minus the best fixed drafter, worst prompt: {worst:+.2f}")
 
 
