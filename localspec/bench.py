@@ -41,6 +41,7 @@ PROMPTS = Path(__file__).with_name("prompts.jsonl")
 STRUCTURED = Path(__file__).with_name("structured_prompts.jsonl")
 EDITS = Path(__file__).with_name("edit_prompts.jsonl")
 SETS = {"structured": STRUCTURED, "edit": EDITS}  # --prompts NAME for a shipped set
+SET_METHODS = {"edit": ["auto-pred"]}  # what a shipped set is for, added to the default methods
 OURS = ("none", "model", "ngram", "hybrid", "auto", "auto-pred")
 # llama-cpp-python: plain decoding ("peer"), and LlamaPromptLookupDecoding(num_pred_tokens=N)
 PEERS = {"peer": 0, "peer-2": 2, "peer-10": 10}
@@ -480,7 +481,7 @@ def save(path: str | Path, data: dict) -> None:
 
 
 def plot(rows: list[Row], path: str | Path) -> None:
-    """Ratios to plain by prompt kind and method (needs matplotlib: pip install 'localspec[plot]')."""
+    """Ratios to plain by prompt kind and method (needs matplotlib: the 'plot' extra)."""
     import matplotlib
 
     matplotlib.use("Agg")

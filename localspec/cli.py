@@ -69,7 +69,7 @@ def generation_options(f):
         click.option("--accept", type=click.Choice(D.RULES), default=D.ACCEPT, show_default=True,
                      help="Acceptance rule; rejection and greedy are lossless, threshold is lossy."),
         click.option("-k", "k", type=int, help=f"Draft tokens per round, at most (default: the pair's, else "
-                     f"{D.K_AUTO} under auto ({D.K_PREDICTION} with --prediction), {D.K_FIXED} otherwise); clamped to "
+                     f"{D.K_AUTO} under auto ({D.K_PREDICTION} with a prediction), {D.K_FIXED} otherwise); clamped to "
                      "what one decode holds."),
         click.option("--p-min", type=float, help="The draft model stops drafting when its top probability falls "
                      f"below this (default: the pair's, else {D.P_MIN})."),
@@ -246,7 +246,7 @@ def chat(system, show_draft, **kw):
               help="JSONL file of prompts (id, kind, messages, optionally a JSON Schema as 'schema'); default: the "
                    "set shipped with localspec; 'structured': the shipped extraction/classification set with "
                    "schemas (every method then runs constrained to each schema and outputs are validated); 'edit': "
-                   "edits of 100+ line files with the file as the prediction (method auto-pred).")
+                   "edits of 100+ line files with the file as the prediction (the default methods then add auto-pred).")
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--methods", default="none,model,ngram,hybrid,auto,peer-2,peer-10", show_default=True,
               help="Comma-separated: none (plain), model, ngram, hybrid, auto, auto-pred (auto given the prompt's "
@@ -293,11 +293,14 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
         try:  # check now, not after the whole run
             import matplotlib  # noqa: F401
         except ImportError:
-            raise click.UsageError("--plot needs matplotlib: pip install 'localspec[plot]'") from None
+            raise click.UsageError("--plot needs matplotlib: pip install -e '.[plot]' in the checkout "
+                                   "(or pip install matplotlib)") from None
     make_request(max_tokens=max_tokens, temperature=temperature, seed=seed)  # fail before loading models
     load_kw, _ = split_options(kw)
     rows_in = b.load_prompts(b.SETS.get(prompts, prompts))
     explicit = click.get_current_context().get_parameter_source("methods") != click.core.ParameterSource.DEFAULT
+    if not explicit:
+        names += b.SET_METHODS.get(prompts, [])
     with load_engine(load_kw) as llm:
         if llm.draft is None and not explicit:  # the default list; named ones are refused by run()
             skipped = [m for m in names if m in b.NEED_DRAFT]
@@ -347,13 +350,13 @@ def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
     One request generates at a time, in arrival order. The generation flags are the defaults of requests
-    that leave a field out. Needs the server extra: pip install 'localspec[server]'.
+    that leave a field out. Needs the server extra: pip install -e '.[server]' in the checkout.
     """
     try:
         from . import server
     except ModuleNotFoundError as e:
         raise click.UsageError(f"`localspec serve` needs the server extra ({e.name} is missing): "
-                               "pip install 'localspec[server]'") from None
+                               "pip install -e '.[server]' in the checkout") from None
     load_kw, gen_kw = split_options(kw)
     defaults = {k: v for k, v in gen_kw.items() if v is not None}
     make_request(**defaults)  # fail before loading models
@@ -432,7 +435,8 @@ def models() -> None:
 def check(target, draft, pair):
     """Can DRAFT speculate for TARGET? Each of llama.cpp's vocabulary rules on its own line.
 
-    Exit code 0 when compatible, 1 when not.
+    With neither TARGET DRAFT nor --pair, checks the default pair of models.toml (fetching it if it is not
+    cached). Exit code 0 when compatible, 1 when not.
     """
     from . import registry
     from .model import Model, compare_vocab
