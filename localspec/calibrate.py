@@ -299,5 +299,5 @@ def exact_flash_attn(path: Path, cfg: ModelConfig, cache_dir: Path, *, force: bo
         f"exact mode cannot be honoured on this machine: single-token and batched logits of {path.name} differ "
         f"(max |diff| {diffs}), so speculative output could differ from plain output. llama.cpp's kernels "
         f"decide this per CPU and build ({system_info()}). Rebuild llama-cpp-python without llamafile's sgemm: "
-        f"CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --force-reinstall --no-cache-dir llama-cpp-python"
+        f"CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install --force-reinstall --no-cache-dir \"llama-cpp-python>=0.3.36,<0.4\""
         + (" (and try flash_attn 'auto')" if cfg.flash_attn != "auto" else "") + "; or run without exact")

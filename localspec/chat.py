@@ -47,8 +47,10 @@ def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str 
             messages=[dict(m) for m in messages], bos_token=bos_token, eos_token=eos_token,
             add_generation_prompt=add_generation_prompt, raise_exception=_raise, tools=tools or None,
             strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
-    except jinja2.TemplateError as e:
-        raise ChatError(f"chat template failed to render: {e}") from None
+    except ChatError:
+        raise
+    except Exception as e:  # TemplateError, and what a template's filters raise on odd input (RecursionError, ...)
+        raise ChatError(f"chat template failed to render: {type(e).__name__}: {e}"[:500]) from None
 
 
 def segments(template: str | None, messages: Sequence[Mapping], special, *, bos_token: str = "",
@@ -60,6 +62,10 @@ def segments(template: str | None, messages: Sequence[Mapping], special, *, bos_
     Such a message is rendered through a placeholder that the template cannot mistake for anything, and its
     text is put back in the placeholder's place; every other message renders as the template writes it.
     """
+    for where, text in _strings(messages, tools):
+        if special(text):
+            raise ChatError(f"{where} spells a control token; only message content may hold such text (kept there "
+                            "as plain text): remove it")
     risky = {i for i, m in enumerate(messages) if isinstance(m, Mapping) and isinstance(m.get("content"), str)
              and m["content"] and special(m["content"])}
     kw = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=add_generation_prompt, tools=tools)
@@ -73,3 +79,23 @@ def segments(template: str | None, messages: Sequence[Mapping], special, *, bos_
                         "cannot be kept apart from the template's markup; remove it from the message")
     out = [(part, True) if j % 2 == 0 else (messages[int(part)]["content"], False) for j, part in enumerate(parts)]
     return [(t, m) for t, m in out if t]
+
+
+def _strings(messages: Sequence[Mapping], tools: Sequence[Mapping] | None):
+    """(where, text) for every string the template may print besides message content (roles, names, ids, tool
+    calls, tool definitions, and the keys of them all): those cannot go through a placeholder, as templates
+    print them inside JSON, so text there that spells a control token is refused instead."""
+    todo = [(f"messages[{i}]", m, True) for i, m in enumerate(messages)] + \
+           [(f"tools[{i}]", t, False) for i, t in enumerate(tools or ())]
+    while todo:
+        where, value, message = todo.pop()
+        if isinstance(value, str):
+            yield where, value
+        elif isinstance(value, Mapping):
+            for key, v in value.items():
+                if isinstance(key, str):
+                    yield f"a field name in {where}", key
+                if not (message and key == "content"):
+                    todo.append((f"{where}.{key}", v, False))
+        elif isinstance(value, (list, tuple)):
+            todo.extend((f"{where}[{i}]", v, False) for i, v in enumerate(value))

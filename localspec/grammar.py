@@ -8,6 +8,7 @@ a forbidden token never reaches the target. `Unconstrained` is the same interfac
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Sequence
@@ -26,7 +27,10 @@ from .errors import LocalspecError
 # opts out with "x-guidance": {"whitespace_flexible": true} (llguidance applies these defaults, then the
 # schema's own x-guidance).
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_SPEC_CHARS = 1 << 20  # a schema, grammar or regex longer than 1 MiB is refused before compiling it
+# A schema, grammar or regex longer than 256 KiB is refused before compiling it: compiling takes seconds past
+# that (8,000 properties, 240 KB: 2 s; 16,000 pattern properties, 1 MB: 8 s), and OpenAI's own limits on a
+# schema (5,000 properties, 120,000 characters of names and values) fit well within it.
+MAX_SPEC_CHARS = 256 << 10
 
 
 class GrammarError(LocalspecError):
@@ -45,9 +49,6 @@ def _limits():
 def compile_spec(*, json_schema=None, grammar: str | None = None, regex: str | None = None,
                  json_object: bool = False) -> str | None:
     """The llguidance grammar of a request's constraint, or None without one. GrammarError names the field."""
-    from llguidance import LLMatcher
-    from llguidance.gbnf_to_lark import any_to_lark
-
     given = [name for name, v in (("json_schema", json_schema), ("grammar", grammar), ("regex", regex),
                                   ("json_object", json_object or None)) if v is not None]
     if not given:
@@ -55,32 +56,44 @@ def compile_spec(*, json_schema=None, grammar: str | None = None, regex: str | N
     if len(given) > 1:
         raise GrammarError(f"give one constraint, not {' and '.join(given)}")
     field = given[0]
+    if field == "json_schema":
+        if isinstance(json_schema, str):
+            _size(field, json_schema)
+            try:
+                json_schema = json.loads(json_schema)
+            except (ValueError, RecursionError) as e:
+                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(json_schema, dict):
+            raise GrammarError("json_schema must be a JSON object (a schema)")
+        try:
+            text = json.dumps(json_schema)  # key order kept: it is the order of the output's keys
+        except (ValueError, TypeError, RecursionError) as e:
+            raise GrammarError(f"json_schema is not JSON: {e}") from None
+    elif field == "json_object":
+        text = '{"type": "object"}'
+    else:
+        text = grammar if field == "grammar" else regex
+        if not isinstance(text, str) or not (text.strip() if field == "grammar" else text):
+            raise GrammarError("grammar must be non-empty Lark or GBNF text" if field == "grammar" else
+                               "regex must be a non-empty string")
+    _size(field, text)
+    return _compiled(field, text)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(field: str, text: str) -> str:
+    """The checked llguidance grammar of one constraint's text, compiled once per process: a request's options
+    are checked where it arrives and again where it runs, and an app tends to send the same schema each time."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
     try:
-        if field == "json_schema":
-            if isinstance(json_schema, str):
-                _size(field, json_schema)
-                try:
-                    json_schema = json.loads(json_schema)
-                except ValueError as e:
-                    raise GrammarError(f"json_schema is not valid JSON: {e}") from None
-            if not isinstance(json_schema, dict):
-                raise GrammarError("json_schema must be a JSON object (a schema)")
-            _size(field, json.dumps(json_schema))
-            g = LLMatcher.grammar_from_json_schema(json_schema, defaults=JSON_DEFAULTS)
-        elif field == "json_object":
-            g = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+        if field in ("json_schema", "json_object"):
+            g = LLMatcher.grammar_from_json_schema(json.loads(text), defaults=JSON_DEFAULTS)
         elif field == "grammar":
-            if not isinstance(grammar, str) or not grammar.strip():
-                raise GrammarError("grammar must be non-empty Lark or GBNF text")
-            _size(field, grammar)
-            g = LLMatcher.grammar_from_lark(any_to_lark(grammar))
+            g = LLMatcher.grammar_from_lark(any_to_lark(text))
         else:
-            if not isinstance(regex, str) or not regex:
-                raise GrammarError("regex must be a non-empty string")
-            _size(field, regex)
-            g = LLMatcher.grammar_from_regex(regex)
-    except GrammarError:
-        raise
+            g = LLMatcher.grammar_from_regex(text)
     except Exception as e:  # llguidance's converters raise ValueError and friends on malformed input
         raise GrammarError(f"{field} is invalid: {_one_line(e)}") from None
     error = LLMatcher.validate_grammar(g, limits=_limits())

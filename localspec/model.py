@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -186,7 +187,7 @@ class Model:
                              f"or its architecture unsupported by this llama.cpp{_last_log()}")
         self.vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self._piece_buf = ctypes.create_string_buffer(256)
+        self._piece_tls = threading.local()  # a piece buffer per thread: the server's event loop reads pieces too
         self._pieces: list[bytes] | None = None
         if vocab_only:
             return
@@ -232,11 +233,14 @@ class Model:
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (control tokens render as b'' unless special)."""
-        n = L.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
+        buf = getattr(self._piece_tls, "buf", None)
+        if buf is None:
+            buf = self._piece_tls.buf = ctypes.create_string_buffer(256)
+        n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
-            self._piece_buf = ctypes.create_string_buffer(-n)
-            n = L.llama_token_to_piece(self.vocab, token, self._piece_buf, len(self._piece_buf), 0, special)
-        return self._piece_buf.raw[:n]
+            buf = self._piece_tls.buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
 
     def pieces(self) -> list[bytes]:
         """Every token's bytes, in id order (control tokens as b''): read once (~0.5 s for 150k tokens) and

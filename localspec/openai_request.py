@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .engine import make_request
 from .errors import LocalspecError
-from .tools import ToolError, ToolFormat, check_choice, check_tools, detect
+from .tools import _NAME, ToolError, ToolFormat, check_choice, check_tools, detect
 
 
 class ApiError(LocalspecError):
@@ -280,7 +280,12 @@ def _tool_calls(calls, p: str) -> list[dict]:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
             raise ApiError(f'{q} must be {{"id", "type": "function", "function": {{"name", "arguments": '
                            f'JSON text}}}}', param=q)
-        out.append({"id": str(c.get("id", "")), "type": "function",
+        if not _NAME.match(f["name"]):
+            raise ApiError(f"{q}.function.name must be 1-64 letters, digits, _ or -, got {f['name'][:60]!r}",
+                           param=f"{q}.function.name")
+        if not isinstance(c.get("id", ""), str):
+            raise ApiError(f"{q}.id must be a string", param=f"{q}.id")
+        out.append({"id": c.get("id", ""), "type": "function",
                     "function": {"name": f["name"], "arguments": f["arguments"]}})
     return out
 
@@ -319,22 +324,53 @@ def parse_messages(value, *, n_ctx: int) -> list[dict]:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+_SCALARS = {int, float, bool, type(None)}
+MAX_DEPTH = 64  # JSON nesting: a schema or tool call needs a few levels; Python's own limits are near 1000
+
+
 def check_text(body) -> None:
-    """Refuse lone UTF-16 surrogates ("\\ud800"): valid JSON escapes, but no text, so UTF-8 cannot encode them."""
-    todo = [("", body)]
+    """Refuse lone UTF-16 surrogates ("\\ud800": valid JSON escapes, but no text, so UTF-8 cannot encode them)
+    and nesting deeper than MAX_DEPTH (which every later step would walk again, some recursively)."""
+    todo = [(None, body, 0)]  # (where: None for the body, else (parent's where, key or index)), value, depth)
     while todo:  # not recursive: the JSON parser allows deeper nesting than Python's stack
-        path, value = todo.pop()
-        if isinstance(value, str) and _SURROGATE.search(value):
-            raise ApiError(f"{path or 'the body'} contains a lone UTF-16 surrogate, which is not text; "
-                           "send the string as valid UTF-8", param=path or None)
+        where, value, depth = todo.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                path = _path(where)
+                raise ApiError(f"{path or 'the body'} contains a lone UTF-16 surrogate, which is not text; "
+                               "send the string as valid UTF-8", param=path or None)
+            continue
+        if depth >= MAX_DEPTH and isinstance(value, (dict, list)) and value:
+            top = _path(_top(where))
+            raise ApiError(f"{top or 'the body'} nests deeper than {MAX_DEPTH} levels", param=top or None)
         if isinstance(value, dict):
             for key, v in value.items():
                 if _SURROGATE.search(key):
-                    raise ApiError(f"a field name in {path or 'the body'} contains a lone UTF-16 surrogate",
-                                   param=path or None)
-                todo.append((f"{path}.{key}" if path else key, v))
-        elif isinstance(value, list):
-            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+                    raise ApiError(f"a field name in {_path(where) or 'the body'} contains a lone UTF-16 surrogate",
+                                   param=_path(where) or None)
+                if isinstance(v, (str, dict, list)):
+                    todo.append(((where, key), v, depth + 1))
+        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:  # a prompt of token ids: skipped
+            todo.extend(((where, i), v, depth + 1) for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
+
+
+def _top(where):
+    """The top-level field of a place in the body."""
+    while where is not None and where[0] is not None:
+        where = where[0]
+    return where
+
+
+def _path(where) -> str:
+    """A place in the body as a field path ('messages[0].content'), '' for the body itself."""
+    keys = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    path = ""
+    for key in reversed(keys):
+        path += f"[{key}]" if isinstance(key, int) else f".{key}" if path else key
+    return path
 
 
 def parse_prompt(value) -> str | list[int]:

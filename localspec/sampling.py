@@ -48,7 +48,8 @@ class SamplingParams:
             ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 disables it)"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1] (0 disables it)"),
-            ("repeat_penalty", self.repeat_penalty > 0, "> 0 (1 disables it)"),
+            # dividing a logit by a tiny penalty overflows float32 to inf (then NaN): no distribution is left
+            ("repeat_penalty", 0.01 <= self.repeat_penalty <= 100, "in [0.01, 100] (1 disables it)"),
             ("penalty_last_n", self.penalty_last_n >= 0, ">= 0 (0 disables penalties)"),
         )
         for name, ok, allowed in checks:
@@ -161,6 +162,8 @@ def dist(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()
         ids = np.arange(len(x))
     e = np.exp((x.astype(np.float64) - m) / params.temperature)  # the max logit survives every filter
     live = e > 0  # masked (-inf) logits have no probability
+    if not live.any():  # NaN logits: nothing to draw from (an IndexError further on)
+        raise SamplingError("no token has a probability: the model's logits are not finite")
     return Dist(ids[live].astype(np.int64), e[live] / e[live].sum())
 
 

@@ -238,8 +238,8 @@ class _EventStream(StreamingResponse):
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -271,13 +271,16 @@ class App:
             raise ApiError("missing or incorrect API key: send 'Authorization: Bearer KEY' with the server's "
                            "--api-key", status=401, code="invalid_api_key")
 
-    async def _body(self, request: Request) -> dict:
+    async def _body(self, request: Request) -> bytes:
         self._authorize(request)
         # a web page may POST text/plain or a form to any site without asking first (no CORS preflight)
         if request.headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json":
             raise ApiError("the request body must be JSON sent with 'Content-Type: application/json'", status=415,
                            code="unsupported_media_type")
-        raw = await _read_body(request, self.body_timeout_s)
+        return await _read_body(request, self.body_timeout_s)
+
+    @staticmethod
+    def _decode(raw: bytes) -> dict:
         try:
             body = json.loads(raw, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:  # JSONDecodeError, undecodable bytes, absurd nesting
@@ -288,6 +291,14 @@ class App:
         if body.get("model") is not None and not isinstance(body["model"], str):  # any name: one model is served
             raise ApiError(f"model must be a string, got {json.dumps(body['model'])[:60]}", param="model")
         return body
+
+    def _parse_chat(self, raw: bytes):
+        llm = self.engine
+        return parse_chat(self._decode(raw), defaults=self.defaults, n_ctx=llm.target.n_ctx,
+                          template=llm.target.chat_template(), token_of=llm.single_token)
+
+    def _parse_completion(self, raw: bytes):
+        return parse_completion(self._decode(raw), defaults=self.defaults)
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.engine.name, "busy": self.worker.current is not None,
@@ -308,16 +319,16 @@ class App:
         return JSONResponse(self._model())
 
     async def chat(self, request: Request) -> Response:
-        body = await self._body(request)
+        raw = await self._body(request)
+        # parsing an 8 MiB body or compiling a schema takes a while: off the event loop, which serves every
+        # other client (their streams, disconnects, /health) meanwhile
+        req = await asyncio.to_thread(self._parse_chat, raw)
         llm = self.engine
-        req = parse_chat(body, defaults=self.defaults, n_ctx=llm.target.n_ctx, template=llm.target.chat_template(),
-                         token_of=llm.single_token)
         shape = Chat(llm.name, req.tool_format, req.tools, piece=llm.target.piece, include_usage=req.include_usage)
         return await self._run(request, Job("chat", req), shape, req.stream)
 
     async def completions(self, request: Request) -> Response:
-        body = await self._body(request)
-        req = parse_completion(body, defaults=self.defaults)
+        req = await asyncio.to_thread(self._parse_completion, await self._body(request))
         shape = Completion(self.engine.name, piece=self.engine.target.piece, include_usage=req.include_usage)
         return await self._run(request, Job("completion", req), shape, req.stream)
 
@@ -494,7 +505,9 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key:
     """
     app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size, defaults=defaults,
                      hosts=(*LOOPBACK, host, *allow_hosts))
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
+    # connections at once (beyond: 503): each may hold a body of up to MAX_BODY while it is parsed
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info",
+                            limit_concurrency=64 + 2 * queue_size)
     if host not in LOOPBACK and api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model "
                     "(by IP address, or by a name given with --allow-host)", host)

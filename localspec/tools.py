@@ -156,8 +156,8 @@ def for_template(messages: Sequence[dict]) -> list[dict]:
                 f = dict(c["function"])
                 try:
                     f["arguments"] = json.loads(f["arguments"]) if isinstance(f.get("arguments"), str) else f.get("arguments")
-                except ValueError:
-                    pass  # not JSON: the template shows it as written
+                except (ValueError, RecursionError):
+                    pass  # not JSON (or nested past what Python parses): the template shows it as written
                 calls.append(dict(c, function=f))
             m = dict(m, tool_calls=calls)
         out.append(m)
@@ -215,10 +215,10 @@ class CallParser:
     def _call(self, body: str) -> ToolCall | None:
         try:
             obj = json.loads(body)
-        except ValueError:
+            if not isinstance(obj, dict) or obj.get("name") not in self.names:
+                return None
+            args = obj.get("arguments", {})
+            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        except (ValueError, RecursionError):  # not JSON, or nested past what Python parses: not a call
             return None
-        if not isinstance(obj, dict) or obj.get("name") not in self.names:
-            return None
-        args = obj.get("arguments", {})
-        return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
-                        f"call_{uuid.uuid4().hex[:24]}")
+        return ToolCall(obj["name"], args, f"call_{uuid.uuid4().hex[:24]}")

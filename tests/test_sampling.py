@@ -186,6 +186,8 @@ def test_large_vocab_defaults():
         ("min_p", -0.01),
         ("min_p", 2.0),
         ("repeat_penalty", 0.0),
+        ("repeat_penalty", 1e-300),  # would divide a logit to inf, then NaN: no distribution left
+        ("repeat_penalty", 1000.0),
         ("penalty_last_n", -1),
         ("temperature", float("nan")),
     ],
@@ -279,3 +281,8 @@ def test_probs_matches_the_step_by_step_chain():
             min_p=float(rng.choice([0.0, 0.05, 0.3])),
         )
         np.testing.assert_allclose(probs(logits, sp), reference_probs(logits, sp), atol=1e-6, err_msg=str(sp))
+
+
+def test_logits_that_are_not_finite_give_a_sampling_error_not_an_index_error():
+    with pytest.raises(SamplingError, match="not finite"):
+        dist(np.full(8, np.nan, dtype=np.float32), SamplingParams(temperature=0.8))
