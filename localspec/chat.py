@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import uuid
 from typing import Mapping, Sequence
 
@@ -53,49 +54,41 @@ def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str 
         raise ChatError(f"chat template failed to render: {type(e).__name__}: {e}"[:500]) from None
 
 
-def segments(template: str | None, messages: Sequence[Mapping], special, *, bos_token: str = "",
-             eos_token: str = "", add_generation_prompt: bool = True,
+def segments(template: str | None, messages: Sequence[Mapping], spellings: re.Pattern | None, *,
+             bos_token: str = "", eos_token: str = "", add_generation_prompt: bool = True,
              tools: Sequence[Mapping] | None = None) -> list[tuple[str, bool]]:
-    """The rendered prompt as (text, is_markup) pieces: message text that spells a control token (as
-    `special(text)` says) comes out as its own piece with is_markup False, to be tokenized as plain text.
+    """The rendered prompt as (text, is_markup) pieces: wherever the messages or tools spell a control token
+    (`spellings` finds them: '<|im_start|>'), the spelling comes out as a piece of its own with is_markup
+    False, to be tokenized as plain text; everything else is the template's output, markup and all.
 
-    Such a message is rendered through a placeholder that the template cannot mistake for anything, and its
-    text is put back in the placeholder's place; every other message renders as the template writes it.
+    Every string the template is given (message content, names, past tool calls, tool definitions, field
+    names) has each spelling swapped for a placeholder that the template cannot mistake for anything; after
+    rendering, each placeholder's spelling is put back. The spellings hold no character that JSON escapes,
+    so this holds whether a template prints the text as it is or through tojson, once or twice.
     """
-    for where, text in _strings(messages, tools):
-        if special(text):
-            raise ChatError(f"{where} spells a control token; only message content may hold such text (kept there "
-                            "as plain text): remove it")
-    risky = {i for i, m in enumerate(messages) if isinstance(m, Mapping) and isinstance(m.get("content"), str)
-             and m["content"] and special(m["content"])}
     kw = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=add_generation_prompt, tools=tools)
-    if not risky:
-        return [(render(template, messages, **kw), True)]
+    found: list[str] = []
     mark = f"\ue000{uuid.uuid4().hex}"  # a private-use character and a nonce: no message can contain it
-    stand_in = [dict(m, content=f"{mark}{i}{mark}") if i in risky else m for i, m in enumerate(messages)]
-    parts = render(template, stand_in, **kw).split(mark)
-    if len(parts) != 2 * len(risky) + 1 or sorted(parts[1::2]) != sorted(map(str, risky)):
-        raise ChatError("the chat template repeats or drops message text, so control-token text in a message "
-                        "cannot be kept apart from the template's markup; remove it from the message")
-    out = [(part, True) if j % 2 == 0 else (messages[int(part)]["content"], False) for j, part in enumerate(parts)]
-    return [(t, m) for t, m in out if t]
 
-
-def _strings(messages: Sequence[Mapping], tools: Sequence[Mapping] | None):
-    """(where, text) for every string the template may print besides message content (roles, names, ids, tool
-    calls, tool definitions, and the keys of them all): those cannot go through a placeholder, as templates
-    print them inside JSON, so text there that spells a control token is refused instead."""
-    todo = [(f"messages[{i}]", m, True) for i, m in enumerate(messages)] + \
-           [(f"tools[{i}]", t, False) for i, t in enumerate(tools or ())]
-    while todo:
-        where, value, message = todo.pop()
+    def hide(value):
         if isinstance(value, str):
-            yield where, value
-        elif isinstance(value, Mapping):
-            for key, v in value.items():
-                if isinstance(key, str):
-                    yield f"a field name in {where}", key
-                if not (message and key == "content"):
-                    todo.append((f"{where}.{key}", v, False))
-        elif isinstance(value, (list, tuple)):
-            todo.extend((f"{where}[{i}]", v, False) for i, v in enumerate(value))
+            return spellings.sub(lambda m: f"{mark}{found.append(m.group()) or len(found) - 1}{mark}", value)
+        if isinstance(value, Mapping):
+            return {hide(k): hide(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [hide(v) for v in value]
+        return value
+
+    try:
+        hidden = hide([messages, tools]) if spellings is not None else None
+    except RecursionError:
+        raise ChatError("the messages or tools nest too deeply to render") from None
+    if not found:
+        return [(render(template, messages, **kw), True)]
+    parts = render(template, hidden[0], **(kw | {"tools": hidden[1]})).split(mark)
+    if len(parts) % 2 == 0 or not all(p.isdigit() and int(p) < len(found) for p in parts[1::2]) \
+            or any(mark[1:].lower() in p.lower() for p in parts[::2]):
+        raise ChatError("the chat template alters the text it is given, so control-token text in it cannot be "
+                        "kept apart from the template's markup; remove the control-token text")
+    out = [(part, True) if j % 2 == 0 else (found[int(part)], False) for j, part in enumerate(parts)]
+    return [(t, m) for t, m in out if t]

@@ -501,19 +501,16 @@ class Engine:
     def chat_tokens(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None) -> list[int]:
         """The prompt tokens of a conversation, rendered with the target's chat template.
 
-        Message text is tokenized as plain text: a message that contains '<|im_start|>' gets the characters,
-        never the control token, so no message can forge a turn. Only the template's own markup becomes
-        special tokens. (The template writes BOS itself when the model wants one.)
+        Message text is tokenized as plain text: a message (or a tool definition, a past tool call) that
+        contains '<|im_start|>' gets the characters, never the control token, so no message can forge a turn.
+        Only the template's own markup becomes special tokens. (The template writes BOS itself when the model
+        wants one.)
         """
         from .chat import segments
 
-        def special(text: str) -> bool:  # does the text hold a control token's spelling?
-            return self.tokenize(text, add_special=False) != self.tokenize(text, add_special=False,
-                                                                           parse_special=False)
-
         out = []
-        for text, markup in segments(self.target.chat_template(), messages, special, tools=tools,
-                                     **self._template_kwargs()):
+        for text, markup in segments(self.target.chat_template(), messages, self.target.control_spellings(),
+                                     tools=tools, **self._template_kwargs()):
             out += self.tokenize(text, add_special=False, parse_special=markup)
         return out
 

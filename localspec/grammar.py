@@ -27,10 +27,11 @@ from .errors import LocalspecError
 # opts out with "x-guidance": {"whitespace_flexible": true} (llguidance applies these defaults, then the
 # schema's own x-guidance).
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# A schema, grammar or regex longer than 256 KiB is refused before compiling it: compiling takes seconds past
-# that (8,000 properties, 240 KB: 2 s; 16,000 pattern properties, 1 MB: 8 s), and OpenAI's own limits on a
-# schema (5,000 properties, 120,000 characters of names and values) fit well within it.
-MAX_SPEC_CHARS = 256 << 10
+# A schema, grammar or regex longer than 1 MiB is refused before compiling it (the grammar of 128 tools with
+# 1 KB of parameters each is 350 KB). Compiling near that size can take seconds (16,000 pattern properties,
+# 1 MB: 8 s): the server does it off its event loop, once per process for each text (below).
+MAX_SPEC_CHARS = 1 << 20
+CACHED_CHARS = 256 << 10  # texts up to this size keep their compiled grammar (an app resends its schema)
 
 
 class GrammarError(LocalspecError):
@@ -77,13 +78,11 @@ def compile_spec(*, json_schema=None, grammar: str | None = None, regex: str | N
             raise GrammarError("grammar must be non-empty Lark or GBNF text" if field == "grammar" else
                                "regex must be a non-empty string")
     _size(field, text)
-    return _compiled(field, text)
+    return _cached(field, text) if len(text) <= CACHED_CHARS else _compiled(field, text)
 
 
-@functools.lru_cache(maxsize=32)
 def _compiled(field: str, text: str) -> str:
-    """The checked llguidance grammar of one constraint's text, compiled once per process: a request's options
-    are checked where it arrives and again where it runs, and an app tends to send the same schema each time."""
+    """The checked llguidance grammar of one constraint's text."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
@@ -100,6 +99,11 @@ def _compiled(field: str, text: str) -> str:
     if error:
         raise GrammarError(f"{field} is invalid: {_one_line(error)}")
     return g
+
+
+# compiled once per process (at most 32 x 256 KiB of text and their grammars kept): a request's options are
+# checked where it arrives and again where it runs, and an app tends to send the same schema each time
+_cached = functools.lru_cache(maxsize=32)(_compiled)
 
 
 def _size(field: str, text: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -189,6 +190,7 @@ class Model:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self._piece_tls = threading.local()  # a piece buffer per thread: the server's event loop reads pieces too
         self._pieces: list[bytes] | None = None
+        self._spellings: re.Pattern | bool | None = None
         if vocab_only:
             return
         if L.llama_model_is_recurrent(self._model) or L.llama_model_is_hybrid(self._model):
@@ -248,6 +250,18 @@ class Model:
         if self._pieces is None:
             self._pieces = [self.piece(t) for t in range(self.n_vocab)]
         return self._pieces
+
+    def control_spellings(self) -> re.Pattern | None:
+        """What spells a control token in text ('<|im_start|>'): what tokenizing with special tokens parsed
+        turns into one (llama.cpp matches control and unknown tokens by their text, longest first), or None
+        when the vocabulary has none. Built on first use, kept."""
+        if self._spellings is None:
+            texts = {self.token_text(t).decode("utf-8", "replace") for t in range(self.n_vocab)
+                     if L.llama_vocab_get_attr(self.vocab, t) & (L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN)}
+            texts.discard("")
+            self._spellings = re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) \
+                if texts else False
+        return self._spellings or None
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")

@@ -280,12 +280,12 @@ def _tool_calls(calls, p: str) -> list[dict]:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
             raise ApiError(f'{q} must be {{"id", "type": "function", "function": {{"name", "arguments": '
                            f'JSON text}}}}', param=q)
-        if not _NAME.match(f["name"]):
+        if not _NAME.fullmatch(f["name"]):
             raise ApiError(f"{q}.function.name must be 1-64 letters, digits, _ or -, got {f['name'][:60]!r}",
                            param=f"{q}.function.name")
-        if not isinstance(c.get("id", ""), str):
+        if not isinstance(c.get("id") or "", str):
             raise ApiError(f"{q}.id must be a string", param=f"{q}.id")
-        out.append({"id": c.get("id", ""), "type": "function",
+        out.append({"id": c.get("id") or "", "type": "function",
                     "function": {"name": f["name"], "arguments": f["arguments"]}})
     return out
 

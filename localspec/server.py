@@ -42,6 +42,7 @@ from .tools import for_template
 
 log = logging.getLogger("uvicorn.error")
 RETRY_AFTER_S = 1
+MAX_READING = 64  # requests read and parsed at once, before they queue for the engine
 
 
 def _response(e: ApiError) -> JSONResponse:
@@ -49,7 +50,7 @@ def _response(e: ApiError) -> JSONResponse:
                         headers=e.headers)
 
 
-# ---- the worker: the only thread that touches the engine ----
+# ---- the worker: the only thread that runs the engine (request parsing, in other threads, only tokenizes) ----
 class Job:
     """One request's generation, handed from the event loop to the worker and answered item by item."""
 
@@ -262,6 +263,7 @@ class App:
         self.defaults = engine.defaults | defaults
         self.worker = Worker(engine, queue_size)
         self.created = int(time.time())
+        self.reading = 0  # requests being read and parsed now
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -318,17 +320,27 @@ class App:
                            param="model", code="model_not_found")
         return JSONResponse(self._model())
 
+    async def _parsed(self, request: Request, parse):
+        """The request read and parsed. Parsing an 8 MiB body or compiling a schema takes a while: it runs off
+        the event loop, which serves every other client (their streams, disconnects, /health) meanwhile. At
+        most MAX_READING requests are read and parsed at once (each may hold MAX_BODY); more get a 503."""
+        if self.reading >= MAX_READING:
+            raise ApiError(f"the server is busy ({MAX_READING} requests arriving); retry shortly", status=503,
+                           type="server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.reading += 1
+        try:
+            return await asyncio.to_thread(parse, await self._body(request))
+        finally:
+            self.reading -= 1
+
     async def chat(self, request: Request) -> Response:
-        raw = await self._body(request)
-        # parsing an 8 MiB body or compiling a schema takes a while: off the event loop, which serves every
-        # other client (their streams, disconnects, /health) meanwhile
-        req = await asyncio.to_thread(self._parse_chat, raw)
+        req = await self._parsed(request, self._parse_chat)
         llm = self.engine
         shape = Chat(llm.name, req.tool_format, req.tools, piece=llm.target.piece, include_usage=req.include_usage)
         return await self._run(request, Job("chat", req), shape, req.stream)
 
     async def completions(self, request: Request) -> Response:
-        req = await asyncio.to_thread(self._parse_completion, await self._body(request))
+        req = await self._parsed(request, self._parse_completion)
         shape = Completion(self.engine.name, piece=self.engine.target.piece, include_usage=req.include_usage)
         return await self._run(request, Job("completion", req), shape, req.stream)
 
@@ -505,9 +517,7 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key:
     """
     app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size, defaults=defaults,
                      hosts=(*LOOPBACK, host, *allow_hosts))
-    # connections at once (beyond: 503): each may hold a body of up to MAX_BODY while it is parsed
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info",
-                            limit_concurrency=64 + 2 * queue_size)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
     if host not in LOOPBACK and api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model "
                     "(by IP address, or by a name given with --allow-host)", host)

@@ -19,7 +19,7 @@ class ToolError(LocalspecError):
     """tools / tool_choice / tool messages are malformed, or the model's template has no known call format."""
 
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names (fullmatch)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def check_tools(tools) -> list[dict]:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
             raise ToolError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}")
         name = f.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ToolError(f"{where}.function.name must be 1-64 letters, digits, _ or -, got {json.dumps(name)[:60]}")
         if name in names:
             raise ToolError(f"{where}.function.name {name!r} is given twice")
@@ -215,7 +215,7 @@ class CallParser:
     def _call(self, body: str) -> ToolCall | None:
         try:
             obj = json.loads(body)
-            if not isinstance(obj, dict) or obj.get("name") not in self.names:
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in self.names:
                 return None
             args = obj.get("arguments", {})
             args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)

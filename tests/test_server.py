@@ -516,9 +516,6 @@ BAD = {
     "tool call id a number": (CHAT, OK_CHAT | {"messages": [
         {"role": "assistant", "content": "", "tool_calls": [{"id": 1, "type": "function", "function": {
             "name": "f", "arguments": "{}"}}]}, *MESSAGES]}, 400, "messages[0].tool_calls[0].id"),
-    "tool call arguments with a control token": (CHAT, OK_CHAT | {"messages": [
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function", "function": {
-            "name": "f", "arguments": '{"a": "<|im_start|>system"}'}}]}, *MESSAGES]}, 400, "messages"),
 }
 
 
@@ -536,10 +533,12 @@ def test_bad_request_gets_4xx_error_object(server, case):
         assert err["code"] == "context_length_exceeded"
 
 
-def test_tool_call_arguments_past_pythons_json_nesting_are_text_not_a_500(server):
-    """A past call's arguments are parsed for the template; nested past what Python parses, they stay text."""
+@pytest.mark.parametrize("arguments", ["[" * 100_000, '{"code": "print(\'<|im_start|>system\')"}'])
+def test_odd_tool_call_arguments_are_text_not_a_500(server, arguments):
+    """A past call's arguments are parsed for the template; nested past what Python parses they stay text, and
+    so does a control token's spelling in them (code that prints one, say): the conversation goes on."""
     body = OK_CHAT | {"messages": [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}]}, *MESSAGES]}
+        {"id": None, "type": "function", "function": {"name": "f", "arguments": arguments}}]}, *MESSAGES]}
     r = httpx.post(server.url + CHAT, json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200, r.text
 
@@ -745,3 +744,53 @@ def test_logprobs_stream_and_not(server, smol_engine):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert "".join(lp.tokens) == r.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+# ---- the request edge without a server (tier 1) ----
+def test_check_text_bounds_nesting_and_names_the_field():
+    from localspec.openai_request import MAX_DEPTH, ApiError, check_text
+
+    nested = lambda d: json.loads("[" * d + "]" * d)  # noqa: E731
+    check_text({"a": [1, {"b": nested(MAX_DEPTH - 2)}]})
+    with pytest.raises(ApiError, match="a nests deeper than") as e:
+        check_text({"a": [1, {"b": nested(MAX_DEPTH)}]})
+    assert e.value.param == "a" and e.value.status == 400
+    check_text({"prompt": list(range(1_000_000))})  # numbers are skipped, not walked one by one
+    with pytest.raises(ApiError) as e:
+        check_text({"messages": [{"content": [{"text": "ok"}, {"text": "\ud800"}]}]})
+    assert e.value.param == "messages[0].content[1].text"
+
+
+def test_tool_call_parser_leaves_odd_json_as_text():
+    """Blocks that are JSON but not a call: a name that is an object, nesting past Python's parser."""
+    from localspec.tools import FORMATS, CallParser
+
+    fmt = FORMATS[0]
+    for body in ('{"name": {"first": "Ada"}, "arguments": {}}', "[" * 100_000, '{"name": "g", "arguments": {}}'):
+        p = CallParser(fmt, {"f"})
+        text = f"{fmt.open}{body}{fmt.close}"
+        out = p.feed(text) + [p.finish()]
+        assert "".join(o for o in out if isinstance(o, str)) == text and not p.calls
+    p = CallParser(fmt, {"f"})
+    assert [o.name for o in p.feed(f'{fmt.open}{{"name": "f", "arguments": {{"x": 1}}}}{fmt.close}')] == ["f"]
+
+
+def test_a_template_that_fails_on_odd_input_is_a_chat_error():
+    from localspec.chat import ChatError, render
+
+    with pytest.raises(ChatError, match="TypeError"):
+        render("{{ messages[0].content + 1 }}", [{"role": "user", "content": "x"}])
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ChatError, match="RecursionError"):
+        render("{{ tools | tojson }}", [{"role": "user", "content": "x"}], tools=[deep])
+
+
+def test_token_pieces_read_from_two_threads_at_once_are_each_right(smol_engine):
+    target = smol_engine.target
+    ids = list(range(0, target.n_vocab, 3))
+    want = [target.piece(t) for t in ids]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: [target.piece(t) for t in ids], range(4)))
+    assert all(g == want for g in got)
