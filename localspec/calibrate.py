@@ -11,6 +11,7 @@ without llamafile's sgemm). So `exact=True` probes it, per machine, build, model
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -226,10 +227,18 @@ def _read(path: Path) -> dict | None:
 
 
 def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Keep a measurement; where that fails (LOCALSPEC_HOME a file, a full disk) say so and go on: it is measured
+    again next time, never lost this time."""
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        print(f"localspec: could not keep the measurement in {path.parent} ({e.strerror or e}); it is measured "
+              "again next time (set LOCALSPEC_HOME to a writable folder)", file=sys.stderr)
 
 
 def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, force: bool = False) -> Costs:

@@ -8,6 +8,7 @@ far as it got, marked `interrupted: true` beside role and content, never inside 
 from __future__ import annotations
 
 import difflib
+import io
 import json
 import os
 import signal
@@ -35,7 +36,7 @@ HELP = """\
 /draft on|off      colour the tokens that came from the draft
 /save FILE         write the conversation as JSON (OpenAI messages)
 /load FILE         read a conversation written by /save
-/exit              leave (also Ctrl-D, or Ctrl-C at an empty prompt)
+/exit              leave (also Ctrl-D; Ctrl-C at an empty prompt before the first message)
 
 Multi-line messages: end a line with \\ to go on to the next, or press Esc then Enter for a new line.
 Ctrl-C during a reply stops it; the partial reply stays in the conversation.
@@ -264,8 +265,7 @@ class Prompt:
             else:
                 event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
 
-        history.parent.mkdir(parents=True, exist_ok=True)
-        self.session = PromptSession(history=FileHistory(str(history)), key_bindings=kb, multiline=True,
+        self.session = PromptSession(history=_history(history), key_bindings=kb, multiline=True,
                                      prompt_continuation=MORE)
 
     def read(self) -> str | None:
@@ -273,6 +273,33 @@ class Prompt:
             return self.session.prompt(PROMPT)
         except EOFError:
             return None
+
+
+def _history(path: Path):
+    """The input history, kept in `path` while it can be written; else in memory, with a word: a history file
+    that cannot be written (a directory there, a full disk, a file left by a sudo run) never ends the chat."""
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    class Kept(FileHistory):
+        def load_history_strings(self):
+            try:
+                yield from super().load_history_strings()
+            except OSError:
+                pass  # said when the first line is stored
+
+        def store_string(self, string: str) -> None:
+            try:
+                super().store_string(string)
+            except OSError as e:
+                self.store_string = lambda s: None
+                print(f"\n(input history not saved to {path}: {e.strerror or e})", file=sys.stderr)
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return Kept(str(path))
+    except OSError as e:
+        print(f"(input history kept in memory only: {path.parent}: {e.strerror or e})", file=sys.stderr)
+        return InMemoryHistory()
 
 
 class Lines:
@@ -449,7 +476,7 @@ class Chat:
             self.conv.load(path)
         except OSError as e:
             self.screen.hint(f"cannot read {path}: {e.strerror or e}")
-        except (ValueError, ChatError) as e:  # json.JSONDecodeError is a ValueError
+        except (ValueError, RecursionError, ChatError) as e:  # json.JSONDecodeError is a ValueError
             self.screen.hint(f"{path} is not a saved conversation: {e}")
         else:
             self.screen.note(f"loaded {len(self.conv.messages)} messages from {path}")
@@ -466,13 +493,20 @@ def run(llm: Engine, options: dict, *, system: str | None = None, show_draft: bo
         signal.signal(signal.SIGINT, signal.default_int_handler)
     screen = Screen(interactive=interactive, show_draft=show_draft)
     chat = Chat(llm, options, screen, system=system)
-    reader = Prompt(home() / "chat_history") if interactive else Lines(sys.stdin)
+    stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin
+    reader = Prompt(home() / "chat_history") if interactive else Lines(stdin)
     if interactive:
         screen.note(f"localspec chat with {llm.name}: /help lists the commands, Ctrl-D leaves")
     while True:
         try:
             line = reader.read()
+        except UnicodeDecodeError as e:
+            raise ChatError(f"stdin is not UTF-8 text (byte {e.object[e.start]:#04x}); convert it, e.g. "
+                            "iconv -f latin1 -t utf-8") from None
         except KeyboardInterrupt:  # Ctrl-C at an empty prompt
+            if any(m["role"] != "system" for m in chat.conv.messages):  # a second Ctrl-C meant for a reply
+                screen.hint("Ctrl-D or /exit leaves (/save FILE keeps the conversation)")
+                continue
             return
         if line is None:
             return
@@ -485,3 +519,7 @@ def run(llm: Engine, options: dict, *, system: str | None = None, show_draft: bo
             screen.hint("interrupted")
         except LocalspecError as e:
             screen.hint(f"error: {e}")
+        except Exception as e:  # a bug: say so, and keep the conversation
+            if not interactive:
+                raise
+            screen.hint(f"error: {type(e).__name__}: {e} (the conversation is kept; /save FILE saves it)")

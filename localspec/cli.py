@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -108,17 +109,46 @@ def constraint_options(f):
     return f
 
 
+def read_text(path: str, option: str, what: str = "is not a readable file") -> str:
+    """A file's text, or BadParameter naming the option: unreadable, or not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise click.BadParameter(f"{path!r} {what} ({e.strerror or e})", param_hint=option) from None
+    except UnicodeDecodeError as e:
+        raise click.BadParameter(f"{path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at {e.start}); convert "
+                                 "it, e.g. iconv -f latin1 -t utf-8", param_hint=option) from None
+
+
+def check_writable(path: str, option: str) -> None:
+    """BadParameter now, before models load and work is done, if `path` cannot be written."""
+    p = Path(path)
+    where = p if p.exists() else p.parent  # the file, or the folder it would be made in
+    why = ("it is a directory" if p.is_dir() else f"{where} does not exist" if not where.is_dir() and where != p
+           else "permission denied" if not os.access(where, os.W_OK) else None)
+    if why:
+        raise click.BadParameter(f"cannot write {path!r}: {why}", param_hint=option)
+
+
+def read_stdin() -> str:
+    """All of stdin as UTF-8 text, or UsageError."""
+    if sys.stdin.isatty():
+        click.echo("reading the prompt from stdin; Ctrl-D ends it", err=True)
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.UsageError(f"stdin is not UTF-8 text (byte {data[e.start]:#04x} at {e.start}); convert it, "
+                               "e.g. iconv -f latin1 -t utf-8") from None
+
+
 def read_constraint(kw: dict) -> None:
     """--json-schema FILE|JSON and --grammar FILE -> their text, in place."""
     schema = kw.get("json_schema")
     if schema is not None and not schema.lstrip().startswith("{"):
-        try:
-            kw["json_schema"] = Path(schema).read_text(encoding="utf-8")
-        except OSError as e:
-            raise click.BadParameter(f"{schema!r} is neither a JSON object nor a readable file ({e.strerror})",
-                                     param_hint="--json-schema") from None
+        kw["json_schema"] = read_text(schema, "--json-schema", "is neither a JSON object nor a readable file")
     if kw.get("grammar") is not None:
-        kw["grammar"] = Path(kw["grammar"]).read_text(encoding="utf-8")
+        kw["grammar"] = read_text(kw["grammar"], "--grammar")
 
 
 _LOAD_KEYS = ("pair", "target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v",
@@ -190,7 +220,7 @@ def generate(prompt, chat, system, as_json, prediction_file, trace_path, **kw):
     import json
 
     if prompt is None or prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = read_stdin()
         prompt = prompt[:-1] if prompt.endswith("\n") else prompt  # the newline that ends the input is not the prompt's
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
@@ -198,7 +228,9 @@ def generate(prompt, chat, system, as_json, prediction_file, trace_path, **kw):
         raise click.UsageError("--system needs --chat (a system message only exists in a chat prompt)")
     load_kw, gen_kw = split_options(kw)
     if prediction_file:
-        gen_kw["prediction"] = Path(prediction_file).read_text(encoding="utf-8")
+        gen_kw["prediction"] = read_text(prediction_file, "--prediction")
+    if trace_path:
+        check_writable(trace_path, "--trace")
     make_request(**{k: v for k, v in gen_kw.items() if v is not None})  # fail before loading models
     with load_engine(load_kw) as llm:
         if chat:
@@ -287,8 +319,15 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
     if json_path and not resume and (n := b.saved_prompts(json_path)):
         raise click.UsageError(f"{json_path} holds a run with {n} prompts measured: give --resume to finish it, "
                                "or another --json file (or delete this one) to start over")
+    if json_path:
+        check_writable(json_path, "--json")
+    if plot_path:
+        check_writable(plot_path, "--plot")
     if trace_dir:
-        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise click.BadParameter(f"cannot create {trace_dir!r}: {e.strerror or e}", param_hint="--trace") from None
     if plot_path:
         try:  # check now, not after the whole run
             import matplotlib  # noqa: F401

@@ -80,6 +80,8 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, obje
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         if m[:4] != b"GGUF":
             raise GGUFError(f"{path}: not a GGUF file (magic {bytes(m[:4])!r})")
+        if len(m) < 24:
+            raise GGUFError(f"{path}: GGUF header is truncated ({len(m)} bytes); delete the file and download it again")
         (version,) = struct.unpack_from("<I", m, 4)
         if version not in (2, 3):
             raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")

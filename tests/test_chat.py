@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pexpect
 import pytest
@@ -134,7 +135,10 @@ def test_ctrl_c_keeps_the_partial_reply_and_the_chat_goes_on(smol_path, env, tmp
     a2, _ = fresh(smol_path, messages[:3])
     assert messages[3]["content"] == a2 and norm(shown).endswith(norm(a2))
     assert "1 interrupted" in command(child, "/stats")
-    quit_with(child, "c")  # Ctrl-C at an empty prompt leaves
+    child.sendcontrol("c")  # at an empty prompt, with a conversation: a hint, not the end of it
+    child.expect_exact("Ctrl-D or /exit leaves")
+    child.expect_exact(PROMPT)
+    quit_with(child, "d")
 
 
 def test_save_load_round_trip_draft_colours_and_hints(smol_path, env, tmp_path):
@@ -284,3 +288,17 @@ def test_set_json_schema_constrains_the_next_replies_and_off_frees_them(smol_pat
     assert second == free.split("\n")[0]  # the reply a free engine gives
     assert "json_schema = on (" in r.stderr and "json_schema=on (" in r.stderr and "json_schema = off" in r.stderr
     assert "cannot read /nonexistent.json" in r.stderr
+
+
+def test_an_unwritable_history_never_ends_the_chat_and_ctrl_c_leaves_only_before_the_first_message(smol_path, env):
+    (Path(env["LOCALSPEC_HOME"]) / "chat_history").mkdir(parents=True)  # a directory where the file goes
+    child = spawn(smol_path, env)
+    child.sendcontrol("c")  # nothing said yet: Ctrl-C at the prompt leaves
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    child = spawn(smol_path, env)
+    shown, _, _ = ask(child, "Hello")
+    assert "input history not saved" in child.logfile_read.getvalue()
+    ask(child, "And again")
+    quit_with(child, "d")

@@ -68,6 +68,8 @@ def bad_files(tmp_path_factory, smol_path):
     (d / "notgguf.gguf").write_bytes(b"this is not a model\n" * 10)
     with open(smol_path, "rb") as f:
         (d / "truncated.gguf").write_bytes(f.read(2_000_000))
+    (d / "header.gguf").write_bytes(b"GGUF\x03\x00")  # cut inside the fixed header
+    (d / "latin1.txt").write_bytes("café".encode("latin-1"))
     return d
 
 
@@ -86,6 +88,13 @@ BAD = {
     "unknown llama.cpp setting": (["--target", "{smol}", "--target-kwarg", "n_gpu_layerz=1", "hi"],
                                   "unknown llama.cpp setting 'n_gpu_layerz'"),
     "--system without --chat": (["--target", "{smol}", "--system", "be brief", "hi"], "--system needs --chat"),
+    "GGUF cut in its header": (["--target", "{bad}/header.gguf", "hi"], "GGUF header is truncated (6 bytes)"),
+    "llama.cpp setting of the wrong type": (["--target", "{smol}", "--target-kwarg", "n_ubatch=-1", "hi"],
+                                            "n_ubatch=-1 does not fit its C type"),
+    "prediction not UTF-8": (["--target", "{smol}", "--prediction", "{bad}/latin1.txt", "hi"], "is not UTF-8 text"),
+    "grammar not UTF-8": (["--target", "{smol}", "--grammar", "{bad}/latin1.txt", "hi"], "is not UTF-8 text"),
+    "trace into a missing folder": (["--target", "{smol}", "--trace", "{bad}/no/such/dir/t.jsonl", "hi"],
+                                    "does not exist"),
 }
 
 
@@ -99,6 +108,14 @@ def test_bad_input_one_line_exit_2(case, bad_files, smol_path, qwen_paths):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert any(expect in line for line in lines), r.stderr
     assert len(lines) <= 3  # one error line (click usage errors add a usage and a hint line)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_stdin_that_is_not_utf8_is_one_clear_error(command, smol_path):
+    r = subprocess.run([sys.executable, "-m", "localspec.cli", command, "--target", str(smol_path), "--max-tokens",
+                        "2"], input="café\n".encode("latin-1"), capture_output=True, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "stdin is not UTF-8 text (byte 0xe9" in err and "Traceback" not in err, err
 
 
 def test_help_explains_flags():

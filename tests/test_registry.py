@@ -257,6 +257,15 @@ def test_mirror_bytes_that_do_not_match_are_not_kept(tmp_path, hub, index, env):
     assert trusted_leftovers(tmp_path) == []
 
 
+def test_a_home_that_cannot_be_written_is_one_clear_error(tmp_path, hub, index, env):
+    add_tiny(tmp_path, index, hub)
+    (tmp_path / "home").mkdir(exist_ok=True)
+    (tmp_path / "home" / "models").write_text("a file where the models folder goes")
+    r = localspec(env, "pull", "tiny")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot write tiny to" in r.stderr and "LOCALSPEC_HOME" in r.stderr
+
+
 # ---- models.toml ----
 
 @pytest.fixture
@@ -457,6 +466,10 @@ def test_not_gguf_and_truncated_files_are_clear_errors(tmp_path):
     good.write_bytes(good.read_bytes()[:-3])
     with pytest.raises(memory.GGUFError, match="truncated or corrupt"):
         memory.read_gguf_metadata(good)
+    for size in (4, 10, 23):  # cut inside the fixed header: magic, version, counts
+        (tmp_path / f"h{size}.gguf").write_bytes(good.read_bytes()[:size])
+        with pytest.raises(memory.GGUFError, match=f"truncated \\({size} bytes\\)"):
+            memory.read_gguf_metadata(tmp_path / f"h{size}.gguf")
     with pytest.raises(memory.GGUFError, match="lacks 'toy.embedding_length'"):
         memory.model_estimate(write_gguf(tmp_path / "u.gguf", {"general.architecture": (8, "toy"),
                                                                "toy.block_count": (4, 2)}), 512)
