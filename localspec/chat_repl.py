@@ -7,6 +7,7 @@ far as it got, marked `interrupted: true` beside role and content, never inside 
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import io
 import json
@@ -146,7 +147,14 @@ class Conversation:
         del self.messages[1 if self.system is not None else 0:]
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.messages, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        """Written beside the file, then moved over it: a save cut short (a full disk) leaves the old one whole."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.messages, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     def load(self, path: Path) -> None:
         self.messages = parse_messages(json.loads(path.read_text(encoding="utf-8")))
@@ -479,7 +487,8 @@ class Chat:
         except (ValueError, RecursionError, ChatError) as e:  # json.JSONDecodeError is a ValueError
             self.screen.hint(f"{path} is not a saved conversation: {e}")
         else:
-            self.screen.note(f"loaded {len(self.conv.messages)} messages from {path}")
+            self.screen.note(f"loaded {len(self.conv.messages)} messages from {path} (in place of the conversation "
+                             "so far)")
 
 
 def run(llm: Engine, options: dict, *, system: str | None = None, show_draft: bool = False) -> None:
