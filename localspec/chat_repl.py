@@ -12,6 +12,7 @@ import difflib
 import io
 import json
 import os
+import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -147,11 +148,20 @@ class Conversation:
         del self.messages[1 if self.system is not None else 0:]
 
     def save(self, path: Path) -> None:
-        """Written beside the file, then moved over it: a save cut short (a full disk) leaves the old one whole."""
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        """A regular file is written beside itself (through a symlink, to where it points) and moved over, with
+        its mode kept: a save cut short (a full disk) leaves the old file whole. Anything else (/dev/stdout, a
+        pipe) is written to as it is."""
+        text = json.dumps(self.messages, indent=2, ensure_ascii=False) + "\n"
+        real = Path(os.path.realpath(path))
+        if real.exists() and not real.is_file():
+            path.write_text(text, encoding="utf-8")
+            return
+        tmp = real.with_name(f".{real.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps(self.messages, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
+            tmp.write_text(text, encoding="utf-8")
+            if real.exists():
+                shutil.copymode(real, tmp)
+            os.replace(tmp, real)
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -502,8 +512,10 @@ def run(llm: Engine, options: dict, *, system: str | None = None, show_draft: bo
         signal.signal(signal.SIGINT, signal.default_int_handler)
     screen = Screen(interactive=interactive, show_draft=show_draft)
     chat = Chat(llm, options, screen, system=system)
-    stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin
-    reader = Prompt(home() / "chat_history") if interactive else Lines(stdin)
+    if not interactive:
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # a stream that is not a console's
+            sys.stdin.reconfigure(encoding="utf-8", errors="strict")  # non-UTF-8 input is an error, not mojibake
+    reader = Prompt(home() / "chat_history") if interactive else Lines(sys.stdin)
     if interactive:
         screen.note(f"localspec chat with {llm.name}: /help lists the commands, Ctrl-D leaves")
     while True:
@@ -513,7 +525,7 @@ def run(llm: Engine, options: dict, *, system: str | None = None, show_draft: bo
             raise ChatError(f"stdin is not UTF-8 text (byte {e.object[e.start]:#04x}); convert it, e.g. "
                             "iconv -f latin1 -t utf-8") from None
         except KeyboardInterrupt:  # Ctrl-C at an empty prompt
-            if any(m["role"] != "system" for m in chat.conv.messages):  # a second Ctrl-C meant for a reply
+            if interactive and any(m["role"] != "system" for m in chat.conv.messages):  # one meant for a reply
                 screen.hint("Ctrl-D or /exit leaves (/save FILE keeps the conversation)")
                 continue
             return

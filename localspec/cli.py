@@ -120,12 +120,23 @@ def read_text(path: str, option: str, what: str = "is not a readable file") -> s
                                  "it, e.g. iconv -f latin1 -t utf-8", param_hint=option) from None
 
 
-def check_writable(path: str, option: str) -> None:
-    """BadParameter now, before models load and work is done, if `path` cannot be written."""
+def check_writable(path: str, option: str, *, replaced: bool = False) -> None:
+    """BadParameter now, before models load and work is done, if `path` cannot be written; replaced: it is
+    written beside itself and moved over (then its folder must be writable, and it a regular file)."""
     p = Path(path)
-    where = p if p.exists() else p.parent  # the file, or the folder it would be made in
-    why = ("it is a directory" if p.is_dir() else f"{where} does not exist" if not where.is_dir() and where != p
-           else "permission denied" if not os.access(where, os.W_OK) else None)
+    folder = p.parent
+    if p.is_dir():
+        why = "it is a directory"
+    elif replaced and p.exists() and not p.is_file():
+        why = "it is not a regular file"
+    elif p.exists() and not replaced:
+        why = None if os.access(p, os.W_OK) else "permission denied"
+    elif not folder.exists():
+        why = f"{folder} does not exist"
+    elif not folder.is_dir():
+        why = f"{folder} is not a folder"
+    else:
+        why = None if os.access(folder, os.W_OK) else f"{folder} is not writable"
     if why:
         raise click.BadParameter(f"cannot write {path!r}: {why}", param_hint=option)
 
@@ -320,14 +331,16 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
         raise click.UsageError(f"{json_path} holds a run with {n} prompts measured: give --resume to finish it, "
                                "or another --json file (or delete this one) to start over")
     if json_path:
-        check_writable(json_path, "--json")
+        check_writable(json_path, "--json", replaced=True)  # bench.save writes NAME.tmp, then moves it
     if plot_path:
         check_writable(plot_path, "--plot")
     if trace_dir:
         try:
             Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            if not os.access(trace_dir, os.W_OK | os.X_OK):
+                raise PermissionError(13, "permission denied")
         except OSError as e:
-            raise click.BadParameter(f"cannot create {trace_dir!r}: {e.strerror or e}", param_hint="--trace") from None
+            raise click.BadParameter(f"cannot write in {trace_dir!r}: {e.strerror or e}", param_hint="--trace") from None
     if plot_path:
         try:  # check now, not after the whole run
             import matplotlib  # noqa: F401

@@ -10,6 +10,7 @@ and folds them into Stats. Everything else (generate, chat, CLI, server, bench) 
 from __future__ import annotations
 
 import contextlib
+import operator
 import secrets
 import threading
 import time
@@ -291,8 +292,12 @@ class Stream:
                           prompt_tokens=prompt_tokens, seed=seed, notes=tuple(notes))
         self.stats: Stats | None = None
         self.finish_reason: str | None = None
+        self._read = False
 
     def __iter__(self) -> Iterator[Event]:
+        if self._read:  # read once: a second pass yields nothing and leaves the stats as they are
+            return
+        self._read = True
         pre, rounds, drafting, drafted, acc, at, t_d, t_v, n = None, 0, 0, 0, 0, [], 0.0, 0.0, 0
         forced, predicted = [0, 0], [0, 0]
         reason, held = "stop", None
@@ -413,8 +418,8 @@ class Request:
             raise RequestError(f"seed must be a non-negative integer below 2**63, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs (top alternatives per token) must be in 0..20, got {self.logprobs}")
-        if self.prediction is not None and not (isinstance(self.prediction, str) or all(
-                isinstance(t, int) and not isinstance(t, bool) for t in self.prediction)):
+        if self.prediction is not None and not (isinstance(self.prediction, str) or isinstance(
+                self.prediction, tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in self.prediction)):
             raise RequestError("prediction must be text or a list of token ids")
         if self.k is not None and self.k < 1:
             raise RequestError(f"k (draft tokens per round) must be at least 1, got {self.k}")
@@ -447,6 +452,8 @@ def make_request(**kw) -> Request:
     if isinstance(kw.get("stop"), str):
         kw["stop"] = (kw["stop"],)
     elif kw.get("stop") is not None:
+        if not isinstance(kw["stop"], (list, tuple)):
+            raise RequestError(f"stop must be a string or a list of strings, got {type(kw['stop']).__name__}")
         kw["stop"] = tuple(kw["stop"])
     else:
         kw.pop("stop", None)
@@ -463,7 +470,9 @@ class Engine:
 
     Safe to share between threads and between interleaved streams: each round holds the engine's lock and
     first restores the target's cache to its own context if another stream changed it (correct, but each
-    switch costs a prefill of what differs; one stream at a time is the fast way).
+    switch costs a prefill of what differs; one stream at a time is the fast way). In exact mode each stream
+    gets the very text it would get alone; in the default mode a cache rebuilt in other batches than a fresh
+    prefill can flip a near-tie at temperature 0.
     """
 
     def __init__(self, target: Model, draft: Model | None = None, *, name: str | None = None,
@@ -520,7 +529,13 @@ class Engine:
                 raise RequestError("prompt is empty")
             tokens = self.tokenize(prompt)
         else:
-            tokens = [int(t) for t in prompt]
+            try:  # token ids: integers, not bytes (whose items are ints) nor floats (int() would truncate)
+                if isinstance(prompt, (bytes, bytearray, memoryview)):
+                    raise TypeError
+                tokens = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise RequestError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}"
+                                   ) from None
         if not tokens:
             raise RequestError("prompt is empty")
         if len(tokens) > self.target.n_ctx:
@@ -619,6 +634,9 @@ class Engine:
         trace: a callable given one dict per round (trace_row): what was drafted and accepted, how long it took,
         and with drafter='auto' what it chose and expected of the round.
         """
+        for name, f in (("cancel", cancel), ("trace", trace)):
+            if f is not None and not callable(f):
+                raise RequestError(f"{name} must be a callable (or None), got {type(f).__name__}")
         req = make_request(**(self.defaults | {k: v for k, v in options.items() if v is not None}))
         tokens = self._prompt_tokens(prompt)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
@@ -659,10 +677,11 @@ class Engine:
         with finish_reason "tool_calls"); logprobs / top_logprobs; prediction ({"type": "content", "content":
         TEXT}); stream_options ({"include_usage": true}). Other options as for stream().
         """
-        from .openai_request import extras, structured
+        from .openai_request import extras, parse_messages, structured
         from .openai_shapes import chat_chunks, chat_completion
         from .tools import for_template
 
+        messages = parse_messages(messages, n_ctx=self.target.n_ctx)  # OpenAI's shapes, each field checked
         extra, _, tools, fmt = structured(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                                           response_format=response_format, template=self.target.chat_template(),
                                           token_of=self.single_token)
@@ -675,9 +694,12 @@ class Engine:
         return chat_completion(self.name, s, fmt, tools, self.target.piece)
 
     def close(self) -> None:
-        for m in (self.target, self.draft):
-            if m is not None:
-                m.close()
+        """Free both models (after the round in progress, if another thread is generating). A closed engine,
+        and a stream still open on it, raise ModelError instead of touching freed memory."""
+        with self._lock:
+            for m in (self.target, self.draft):
+                if m is not None:
+                    m.close()
 
     def __enter__(self) -> "Engine":
         return self

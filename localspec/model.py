@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import numbers
 import os
 import re
 import threading
@@ -117,8 +118,9 @@ class ModelConfig:
             if key not in model_keys and key not in ctx_keys:
                 raise ModelError(f"unknown llama.cpp setting {key!r}; allowed: {', '.join(sorted(model_keys | ctx_keys))}")
             ctype = dict((L.llama_model_params if key in model_keys else L.llama_context_params)._fields_)[key]
-            if ctype is ctypes.c_float:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if ctype is ctypes.c_float:  # as C holds it: 1e39 would be inf
+                ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(
+                    ctypes.c_float(value).value)
             else:  # what C would hold: 1.5 in an int is refused, -1 in an unsigned int would wrap to 4294967295
                 try:
                     ok = ctype(value).value == value and (ctype is ctypes.c_bool or not isinstance(value, bool))
@@ -197,8 +199,8 @@ class Model:
         if not self._model:
             raise ModelError(f"llama.cpp could not load {self.path}: the file may be truncated or corrupt, "
                              f"or its architecture unsupported by this llama.cpp{_last_log()}")
-        self.vocab = L.llama_model_get_vocab(self._model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self._piece_tls = threading.local()  # a piece buffer per thread: the server's event loop reads pieces too
         self._pieces: list[bytes] | None = None
         self._spellings: re.Pattern | bool | None = None
@@ -231,6 +233,18 @@ class Model:
         np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
+
+    @property
+    def vocab(self):
+        """The vocabulary's handle; ModelError once the model is closed (it is freed with the model)."""
+        if self._model is None:
+            raise ModelError(f"{self.path.name} is closed: load it again to use it")
+        return self._vocab
+
+    def _live_ctx(self):
+        if self._ctx is None:
+            raise ModelError(f"{self.path.name} is closed: load it again to use it")
+        return self._ctx
 
     # ---- tokens and text ----
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -292,6 +306,7 @@ class Model:
         return L.llama_vocab_get_text(self.vocab, token) or b""
 
     def chat_template(self) -> str | None:
+        self.vocab  # noqa: B018 - refuses a closed model
         t = L.llama_model_chat_template(self._model, None)
         return t.decode("utf-8") if t else None
 
@@ -303,6 +318,7 @@ class Model:
         Returns a (rows, n_vocab) float32 view of llama.cpp's buffer, valid until the next decode.
         """
         n = len(tokens)
+        ctx = self._live_ctx()
         if n == 0:
             return None
         if len(self.tokens) + n > self.n_ctx:
@@ -320,7 +336,7 @@ class Model:
                 self._b_logits[m - 1] = 1
             self._batch.n_tokens = m
             t = time.perf_counter()
-            rc = L.llama_decode(self._ctx, self._batch)
+            rc = L.llama_decode(ctx, self._batch)
             self.decode_s += time.perf_counter() - t
             if rc != 0:
                 self.truncate(len(self.tokens))  # drop whatever a failed decode may have left
@@ -338,6 +354,8 @@ class Model:
         """Forget every cached position >= n."""
         del self.tokens[n:]  # first: an interrupt between the two steps leaves the cache >= the list, never <
         self.version += 1
+        if self._ctx is None:  # closed: no cache left to roll back
+            return
         if not L.llama_memory_seq_rm(self._mem, 0, n, -1):
             raise ModelError(f"llama.cpp refused to roll the KV cache of {self.path.name} back to {n} tokens")
 
@@ -371,6 +389,7 @@ class Model:
 
     def pos_max(self) -> int:
         """llama.cpp's own view of the last cached position (-1 when empty)."""
+        self._live_ctx()
         return L.llama_memory_seq_pos_max(self._mem, 0)
 
     def close(self) -> None:

@@ -304,3 +304,58 @@ def test_segments_keep_every_spelling_apart_through_tojson_and_repeats():
     assert markup.count("<|im_start|>") == markup.count("<|im_end|>") == 2  # the template's own turns only
     assert '"x' in markup and 'y"}' in markup and 'a\\"' in markup  # tojson escaped the rest as it should
     assert segments(template, messages, None, tools=tools) == [(t := "".join(p for p, _ in parts), True)]
+
+
+def test_a_closed_engine_and_its_open_streams_raise_instead_of_touching_freed_memory(smol_path):
+    llm = localspec.load(target=smol_path, draft=smol_path, n_ctx=512)
+    it = iter(llm.stream("1, 2, 3,", max_tokens=50, temperature=0))
+    next(it)
+    llm.close()
+    with pytest.raises(ModelError, match="is closed"):
+        next(it)  # the loop's cleanup ran too, on no cache: no crash
+    for call in (lambda: llm.generate("hi"), lambda: llm.tokenize("hi"),
+                 lambda: llm.create_chat_completion([{"role": "user", "content": "hi"}])):
+        with pytest.raises(ModelError, match="is closed"):
+            call()
+    llm.close()  # twice is harmless
+
+    llm = localspec.load(target=smol_path, draft=smol_path, n_ctx=512)
+    errors = []
+
+    def generate():
+        try:
+            llm.generate("1, 2, 3, 4,", max_tokens=400, temperature=0, drafter="none")
+        except ModelError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=generate)
+    t.start()
+    while not llm.target.tokens:  # generating
+        pass
+    llm.close()  # waits for the round in progress, then the other thread's next round raises
+    t.join()
+    assert len(errors) == 1 and "is closed" in str(errors[0])
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda llm: llm.generate("hi", stop=5), "stop must be a string or a list of strings"),
+    (lambda llm: llm.generate(None), "prompt must be text or a list of token ids"),
+    (lambda llm: llm.generate(b"hi"), "prompt must be text or a list of token ids"),
+    (lambda llm: llm.generate([1.7, 2.2]), "prompt must be text or a list of token ids"),
+    (lambda llm: llm.generate("hi", prediction=5), "prediction must be text or a list of token ids"),
+    (lambda llm: llm.generate("hi", cancel=True), "cancel must be a callable"),
+    (lambda llm: llm.generate("hi", trace=1), "trace must be a callable"),
+    (lambda llm: llm.create_chat_completion("hi"), "messages must be a non-empty array"),
+    (lambda llm: llm.create_chat_completion([{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
+     r"messages\[0\].tool_calls\[0\] must be"),
+])
+def test_odd_arguments_are_request_errors_naming_them(smol_engine, call, message):
+    with pytest.raises(localspec.LocalspecError, match=message):
+        call(smol_engine)
+
+
+def test_a_stream_read_twice_keeps_its_stats(smol_engine):
+    s = smol_engine.stream("1, 2, 3,", max_tokens=6, temperature=0)
+    first = [e.text for e in s]
+    stats = s.stats
+    assert list(s) == [] and s.stats is stats and len(first) == stats.generated == 6
