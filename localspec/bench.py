@@ -473,9 +473,10 @@ def saved_prompts(path: str | Path) -> int:
 
 
 def save(path: str | Path, data: dict) -> None:
-    """Write atomically: an interrupted write leaves the previous file whole."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    """Write atomically: an interrupted write leaves the previous file whole (through a symlink, the file it
+    points to)."""
+    path = Path(os.path.realpath(path))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
     os.replace(tmp, path)
 

@@ -152,10 +152,10 @@ class Conversation:
         its mode kept: a save cut short (a full disk) leaves the old file whole. Anything else (/dev/stdout, a
         pipe) is written to as it is."""
         text = json.dumps(self.messages, indent=2, ensure_ascii=False) + "\n"
-        real = Path(os.path.realpath(path))
-        if real.exists() and not real.is_file():
+        if path.exists() and not path.is_file():  # /dev/stdout (a pipe's /proc link has no real path)
             path.write_text(text, encoding="utf-8")
             return
+        real = Path(os.path.realpath(path))
         tmp = real.with_name(f".{real.name}.{os.getpid()}.tmp")
         try:
             tmp.write_text(text, encoding="utf-8")

@@ -131,12 +131,11 @@ def check_writable(path: str, option: str, *, replaced: bool = False) -> None:
         why = "it is not a regular file"
     elif p.exists() and not replaced:
         why = None if os.access(p, os.W_OK) else "permission denied"
-    elif not folder.exists():
-        why = f"{folder} does not exist"
     elif not folder.is_dir():
-        why = f"{folder} is not a folder"
+        above = next((a for a in (folder, *folder.parents) if a.exists()), None)  # where the path stops
+        why = f"{above} is not a folder" if above is not None and not above.is_dir() else f"{folder} does not exist"
     else:
-        why = None if os.access(folder, os.W_OK) else f"{folder} is not writable"
+        why = None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} is not writable"
     if why:
         raise click.BadParameter(f"cannot write {path!r}: {why}", param_hint=option)
 

@@ -165,6 +165,7 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
             history = context[len(prompt):] if params.penalized else []  # only penalties read it
             rngs = Lazy(n + 1, lambda i, at=produced: position_rng(seed, at + i))
             with lock:
+                target.vocab  # noqa: B018 - ModelError if the engine was closed since the last round
                 if target.version != seen:
                     target.sync(context[:-1], cancel=cancel)
                 t0 = time.perf_counter()
@@ -457,8 +458,14 @@ def make_request(**kw) -> Request:
         kw["stop"] = tuple(kw["stop"])
     else:
         kw.pop("stop", None)
-    if isinstance(kw.get("prediction"), list):
-        kw["prediction"] = tuple(kw["prediction"])
+    pred = kw.get("prediction")
+    if pred is not None and not isinstance(pred, str):
+        try:  # token ids: a list, a tuple, a range, a numpy array; not bytes
+            if isinstance(pred, (bytes, bytearray, memoryview)):
+                raise TypeError
+            kw["prediction"] = tuple(operator.index(t) for t in pred)
+        except TypeError:
+            raise RequestError(f"prediction must be text or a list of token ids, got {type(pred).__name__}") from None
     unknown = sorted(set(kw) - {f for f in Request.__dataclass_fields__})
     if unknown:
         raise RequestError(f"unknown generation option {unknown[0]!r}")
@@ -677,11 +684,10 @@ class Engine:
         with finish_reason "tool_calls"); logprobs / top_logprobs; prediction ({"type": "content", "content":
         TEXT}); stream_options ({"include_usage": true}). Other options as for stream().
         """
-        from .openai_request import extras, parse_messages, structured
+        from .openai_request import extras, structured
         from .openai_shapes import chat_chunks, chat_completion
         from .tools import for_template
 
-        messages = parse_messages(messages, n_ctx=self.target.n_ctx)  # OpenAI's shapes, each field checked
         extra, _, tools, fmt = structured(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                                           response_format=response_format, template=self.target.chat_template(),
                                           token_of=self.single_token)

@@ -393,15 +393,19 @@ class Model:
         return L.llama_memory_seq_pos_max(self._mem, 0)
 
     def close(self) -> None:
-        if self._batch is not None:
-            L.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            L.llama_free(self._ctx)
-            self._ctx = None
-        if self._model:
-            L.llama_model_free(self._model)
-            self._model = None
+        """Free the model. Each handle is forgotten before it is freed, so a check that passes sees a live one;
+        closing while another thread is inside a call is still the caller's race (the engine's lock covers its
+        rounds, not a consumer reading token pieces)."""
+        self._llg_tokenizer = None  # grammar.py's tokenizer over this vocabulary
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            L.llama_batch_free(batch)
+        ctx, self._ctx = self._ctx, None
+        if ctx:
+            L.llama_free(ctx)
+        model, self._model = self._model, None
+        if model:
+            L.llama_model_free(model)
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
         try:

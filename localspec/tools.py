@@ -10,7 +10,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .errors import LocalspecError
 
@@ -148,10 +148,20 @@ def check_choice(choice, tools: list[dict] | None) -> str:
 
 def for_template(messages: Sequence[dict]) -> list[dict]:
     """Messages as chat templates read them: a past call's arguments as an object, not OpenAI's JSON text."""
+    from .chat import ChatError
+
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ChatError("messages must be a non-empty list of {role, content} objects")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatError(f"message {i} must be an object with 'role' and 'content', got {type(m).__name__}")
         if m.get("tool_calls"):
             calls = []
+            if not isinstance(m["tool_calls"], (list, tuple)) or not all(
+                    isinstance(c, Mapping) and isinstance(c.get("function"), Mapping) for c in m["tool_calls"]):
+                raise ChatError(f"message {i}: tool_calls must be a list of {{\"function\": {{\"name\", "
+                                "\"arguments\"}}}} objects")
             for c in m["tool_calls"]:
                 f = dict(c["function"])
                 try:

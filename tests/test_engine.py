@@ -345,13 +345,25 @@ def test_a_closed_engine_and_its_open_streams_raise_instead_of_touching_freed_me
     (lambda llm: llm.generate("hi", prediction=5), "prediction must be text or a list of token ids"),
     (lambda llm: llm.generate("hi", cancel=True), "cancel must be a callable"),
     (lambda llm: llm.generate("hi", trace=1), "trace must be a callable"),
-    (lambda llm: llm.create_chat_completion("hi"), "messages must be a non-empty array"),
+    (lambda llm: llm.generate("hi", prediction=b"hi"), "prediction must be text or a list of token ids"),
+    (lambda llm: llm.create_chat_completion("hi"), "messages must be a non-empty list"),
+    (lambda llm: llm.create_chat_completion([None]), "message 0 must be an object"),
     (lambda llm: llm.create_chat_completion([{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
-     r"messages\[0\].tool_calls\[0\] must be"),
+     "message 0: tool_calls must be a list of"),
 ])
 def test_odd_arguments_are_request_errors_naming_them(smol_engine, call, message):
     with pytest.raises(localspec.LocalspecError, match=message):
         call(smol_engine)
+
+
+def test_chat_completions_take_what_apps_send(smol_engine):
+    """Tuples, extra keys, empty tool_calls, dict arguments, roles a template knows: as before, not refused."""
+    calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
+    messages = ({"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "assistant", "content": "ok", "tool_calls": []}, {"role": "user", "content": "more"})
+    out = smol_engine.create_chat_completion(messages, max_tokens=2, temperature=0, prediction=None)
+    assert out["choices"][0]["finish_reason"] in ("length", "stop") and out["usage"]["prompt_tokens"] > 20
+    assert smol_engine.generate("1, 2,", max_tokens=2, prediction=range(3)).text is not None
 
 
 def test_a_stream_read_twice_keeps_its_stats(smol_engine):
