@@ -309,10 +309,13 @@ def test_segments_keep_every_spelling_apart_through_tojson_and_repeats():
 def test_a_closed_engine_and_its_open_streams_raise_instead_of_touching_freed_memory(smol_path):
     llm = localspec.load(target=smol_path, draft=smol_path, n_ctx=512)
     it = iter(llm.stream("1, 2, 3,", max_tokens=50, temperature=0))
-    next(it)
+    under_grammar = iter(llm.stream("A person:", max_tokens=50, temperature=0, json_schema={
+        "type": "object", "properties": {"name": {"type": "string"}}}))  # drafts through llguidance's tokenizer
+    next(it), next(under_grammar), next(under_grammar)
     llm.close()
-    with pytest.raises(ModelError, match="is closed"):
-        next(it)  # the loop's cleanup ran too, on no cache: no crash
+    for stream in (it, under_grammar):
+        with pytest.raises(ModelError, match="is closed"):
+            next(stream)  # the loop's cleanup ran too, on no cache: no crash
     for call in (lambda: llm.generate("hi"), lambda: llm.tokenize("hi"),
                  lambda: llm.create_chat_completion([{"role": "user", "content": "hi"}])):
         with pytest.raises(ModelError, match="is closed"):
