@@ -165,7 +165,7 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
             history = context[len(prompt):] if params.penalized else []  # only penalties read it
             rngs = Lazy(n + 1, lambda i, at=produced: position_rng(seed, at + i))
             with lock:
-                target.vocab  # noqa: B018 - ModelError if the engine was closed since the last round
+                target.check_open()  # the engine may have been closed since the last round: before drafting
                 if target.version != seen:
                     target.sync(context[:-1], cancel=cancel)
                 t0 = time.perf_counter()

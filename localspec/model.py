@@ -241,6 +241,10 @@ class Model:
             raise ModelError(f"{self.path.name} is closed: load it again to use it")
         return self._vocab
 
+    def check_open(self) -> None:
+        """ModelError once the model is closed (before anything reaches for its freed memory)."""
+        self.vocab  # noqa: B018
+
     def _live_ctx(self):
         if self._ctx is None:
             raise ModelError(f"{self.path.name} is closed: load it again to use it")

@@ -51,6 +51,9 @@ class FakeModel:
         self.decodes: list[list[int]] = []
         self.version, self.n_batch = 0, 512
 
+    def check_open(self) -> None:  # as Model's: a fake is never closed
+        pass
+
     def row(self, t: int) -> np.ndarray:
         return self.table.get(t, np.zeros(self.n_vocab, dtype=np.float32))
 
