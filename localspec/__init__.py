@@ -38,6 +38,8 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     default pair; named models are fetched and verified on first use (see `localspec pull`), and the
     pair's recommended drafter, k, p_min and n_ctx become the defaults.
 
+    n_ctx: context size in tokens (default: the pair's, else 4096); 0 = the one the model was trained for, as in
+    llama.cpp (n_ctx_draft=0: the draft's; the memory check still applies).
     Each setting has a `*_draft` twin for the draft model that defaults to the target's value.
     n_gpu_layers: layers offloaded to the GPU (CUDA/Metal builds of llama-cpp-python); -1 offloads all.
     flash_attn: 'auto', 'on' or 'off'. type_k/type_v: KV cache type ('f16', 'q8_0', 'q4_0', ...).
@@ -60,13 +62,17 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
             raise ModelError("draft= was given without target=: pass both paths, or pair='NAME'")
         spec, target, draft = registry.resolve_pair(pair, allow_mirror=allow_mirror)
         defaults, name = {"drafter": spec.drafter, "k": spec.k, "p_min": spec.p_min}, spec.name
-        n_ctx = n_ctx or spec.n_ctx
+        n_ctx = spec.n_ctx if n_ctx is None else n_ctx
     elif pair is not None:
         raise ModelError("pass either pair='NAME' or target=/draft= paths, not both")
-    n_ctx = n_ctx or 4096
+    n_ctx = 4096 if n_ctx is None else n_ctx
+    if n_ctx == 0:  # as in llama.cpp: the context the model was trained for
+        n_ctx = memory.trained_ctx(check_gguf(target))
+    if n_ctx_draft == 0:
+        n_ctx_draft = memory.trained_ctx(check_gguf(draft)) if draft is not None else None
     tcfg = ModelConfig(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
                        type_k=type_k, type_v=type_v, exact=exact, kwargs=dict(target_kwargs or {}))
-    dcfg = ModelConfig(n_ctx=n_ctx_draft or n_ctx, n_threads=n_threads_draft or n_threads,
+    dcfg = ModelConfig(n_ctx=n_ctx if n_ctx_draft is None else n_ctx_draft, n_threads=n_threads_draft or n_threads,
                        n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft,
                        flash_attn=flash_attn_draft or flash_attn, type_k=type_k_draft or type_k,
                        type_v=type_v_draft or type_v, kwargs=dict(draft_kwargs or {}))

@@ -25,7 +25,8 @@ def model_options(f):
                      "when no model flag is given. Fetched and verified on first use."),
         click.option("--target", type=click.Path(dir_okay=False), help="Target GGUF file (the model whose output you get)."),
         click.option("--draft", type=click.Path(dir_okay=False), help="Draft GGUF file (small, same tokenizer)."),
-        click.option("--n-ctx", type=int, help="Context size of each model (default: the pair's, else 4096)."),
+        click.option("--n-ctx", type=int, help="Context size of each model (default: the pair's, else 4096; 0 = the one the model "
+                     "was trained for)."),
         click.option("--threads", "n_threads", type=int, help="CPU threads (default: all cores up to 4, else half)."),
         click.option("--n-gpu-layers", type=int, default=0, show_default=True, help="Target layers on the GPU; -1 = all."),
         click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
@@ -33,7 +34,7 @@ def model_options(f):
         click.option("--type-k", default="f16", show_default=True, help="KV cache type of keys (f16, q8_0, q4_0, ...)."),
         click.option("--type-v", default="f16", show_default=True,
                      help="KV cache type of values (a quantized V cache needs flash attention)."),
-        click.option("--n-ctx-draft", type=int, help="Draft model's context size (default: as the target)."),
+        click.option("--n-ctx-draft", type=int, help="Draft model's context size (default: as the target; 0 = its trained one)."),
         click.option("--threads-draft", "n_threads_draft", type=int, help="Draft model's threads (default: as the target)."),
         click.option("--n-gpu-layers-draft", type=int, help="Draft layers on the GPU (default: as the target)."),
         click.option("--flash-attn-draft", type=click.Choice(["auto", "on", "off"]), help="Default: as the target."),

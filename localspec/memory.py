@@ -214,6 +214,15 @@ def _per_layer_max(value: object, key: str, path: Path) -> int:
     return value
 
 
+def trained_ctx(path: str | os.PathLike) -> int:
+    """The context length a GGUF model was trained for (its `{arch}.context_length`), as llama.cpp's n_ctx=0 means."""
+    meta = read_gguf_metadata(path)
+    n = meta.get(f"{meta.get('general.architecture')}.context_length")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise GGUFError(f"{path}: GGUF gives no training context length, so n_ctx=0 cannot mean it; pass a size")
+    return n
+
+
 def model_estimate(path: str | os.PathLike, n_ctx: int, *, type_k: str = "f16", type_v: str = "f16",
                    n_ubatch: int = N_UBATCH, weights: bool = True) -> ModelEstimate:
     """What one GGUF model needs with a context of n_ctx cells (weights=False: its file is counted elsewhere)."""

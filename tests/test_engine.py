@@ -131,6 +131,19 @@ def test_small_contexts(smol_path):
         assert plain  # plain decoding is untouched by the small draft context
 
 
+def test_n_ctx_0_is_the_trained_context_as_in_llama_cpp(smol_path):
+    """n_ctx=0 silently meant 4096; in llama.cpp it means the context the model was trained for."""
+    from localspec.memory import read_gguf_metadata
+    trained = read_gguf_metadata(smol_path)["llama.context_length"]
+    assert trained != 4096
+    with localspec.load(target=smol_path, draft=smol_path, n_ctx=0, n_ctx_draft=256) as llm:
+        assert (llm.target.n_ctx, llm.draft.n_ctx) == (trained, 256)
+    with localspec.load(target=smol_path, draft=smol_path, n_ctx=512, n_ctx_draft=0) as llm:
+        assert (llm.target.n_ctx, llm.draft.n_ctx) == (512, trained)
+    with localspec.load(target=smol_path, n_ctx_draft=0) as llm:  # no draft: nothing to size
+        assert llm.target.n_ctx == 4096
+
+
 def test_a_seed_gives_the_same_text_whatever_auto_decided(smol_engine):
     """Case 5: how many random draws a request used depended on what auto drafted, and auto's state carried
     across requests. Now each output position has its own stream: a seeded request repeats exactly, with

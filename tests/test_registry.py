@@ -492,3 +492,10 @@ def test_available_memory_is_known_on_linux():
     if sys.platform != "linux":
         pytest.skip("MemAvailable is Linux's")
     assert 0 < memory.available_memory() < 1 << 50
+
+
+def test_trained_context_is_read_and_its_absence_is_a_clear_error(tmp_path):
+    base = {"general.architecture": (8, "toy"), "toy.block_count": (4, 4)}
+    assert memory.trained_ctx(write_gguf(tmp_path / "a.gguf", base | {"toy.context_length": (4, 32768)})) == 32768
+    with pytest.raises(memory.GGUFError, match="no training context length.*pass a size"):
+        memory.trained_ctx(write_gguf(tmp_path / "b.gguf", base))
