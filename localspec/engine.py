@@ -682,7 +682,8 @@ class Engine:
         OpenAI's own fields: response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
         {"name", "schema"}}); tools / tool_choice / parallel_tool_calls (calls come back in message.tool_calls
         with finish_reason "tool_calls"); logprobs / top_logprobs; prediction ({"type": "content", "content":
-        TEXT}); stream_options ({"include_usage": true}). Other options as for stream().
+        TEXT}); stream_options ({"include_usage": true}). Other options as for stream(), except that without
+        max_tokens the reply runs until it ends or the context is full (as llama-cpp-python's).
         """
         from .openai_request import extras, structured
         from .openai_shapes import chat_chunks, chat_completion
@@ -694,6 +695,8 @@ class Engine:
         fields = {k: v for k, v in dict(logprobs=logprobs, top_logprobs=top_logprobs, prediction=prediction,
                                         stream_options=stream_options).items() if v is not None}
         more, _, include_usage = extras(fields, chat=True)
+        if options.get("max_tokens") is None and "max_tokens" not in self.defaults:
+            options["max_tokens"] = self.target.n_ctx  # as OpenAI and llama-cpp-python: until the context is full
         s = self.stream(self.chat_tokens(for_template(messages), tools=tools), **(options | extra | more))
         if stream:
             return chat_chunks(self.name, s, fmt, tools, self.target.piece, include_usage)

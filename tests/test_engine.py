@@ -387,3 +387,14 @@ def test_a_stream_read_twice_keeps_its_stats(smol_engine):
     first = [e.text for e in s]
     stats = s.stats
     assert list(s) == [] and s.stats is stats and len(first) == stats.generated == 6
+
+
+def test_a_chat_completion_without_max_tokens_runs_until_the_context_is_full(smol_path):
+    """As llama-cpp-python's create_chat_completion and the server: no max_tokens is not a 256-token cut."""
+    messages = [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}]
+    with localspec.load(target=smol_path, n_ctx=512) as llm:
+        for extra in ({}, {"max_tokens": None}):
+            out = llm.create_chat_completion(messages, temperature=0, **extra)
+            usage = out["usage"]
+            assert out["choices"][0]["finish_reason"] == "length" and usage["completion_tokens"] > 256
+            assert usage["total_tokens"] == llm.target.n_ctx + 1  # the last token needs no KV cell
