@@ -206,8 +206,9 @@ class Totals:
                 f"{self.dropped} turns dropped; context {context}/{n_ctx} tokens")
 
 
-def stats_line(s: Stats, *, interrupted: bool = False) -> str:
-    """The dim line after each reply: speed, acceptance, mean accepted length, prompt prefilled/reused."""
+def stats_line(s: Stats, *, interrupted: bool = False, max_tokens: int | None = None, n_ctx: int | None = None) -> str:
+    """The dim line after each reply: speed, acceptance, mean accepted length, prompt prefilled/reused, and
+    why a reply was cut (max_tokens, or the context filling up before it)."""
     parts = [f"{s.generated} tokens, {s.gen_tps:.1f} tok/s"]
     if s.drafted:
         parts.append(f"{s.drafter} drafts {s.accepted}/{s.drafted} accepted ({s.acceptance_rate:.0%}), "
@@ -217,6 +218,9 @@ def stats_line(s: Stats, *, interrupted: bool = False) -> str:
     parts.append(f"prompt {s.prompt_prefilled} prefilled, {s.prompt_reused} reused")
     if interrupted:
         parts.append("interrupted (the partial reply stays in the conversation)")
+    elif s.finish_reason == "length" and max_tokens is not None and s.generated < max_tokens:
+        parts.append(f"cut where the context filled up (n_ctx={n_ctx}): the next message drops the oldest turns; "
+                     "restart chat with a larger --n-ctx to keep more")
     elif s.finish_reason == "length":
         parts.append("cut at max_tokens (/set max_tokens N)")
     return "; ".join(parts)
@@ -337,6 +341,23 @@ class Lines:
 
 
 # ---- the chat ----
+@contextlib.contextmanager
+def held_interrupts(*, drop: bool):
+    """Ctrl-C inside the block waits until it is done; then it is dropped (drop=True: the reply it was meant
+    for has already stopped) or raised. Only the main thread receives signals; elsewhere this does nothing."""
+    try:
+        got, old = [], signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if got and not drop:
+        raise KeyboardInterrupt
+
+
 class Chat:
     """The conversation, the generation settings and the slash commands, over one engine."""
 
@@ -408,13 +429,15 @@ class Chat:
             if not self.screen.interactive:
                 raise
         finally:
-            events.close()  # the engine's cleanup puts both KV caches back in line with their token lists
-            reply = {"role": "assistant", "content": "".join(parts)} | ({"interrupted": True} if interrupted else {})
-            self.conv.messages.append(reply)
-            self.screen.end_reply(reply["content"])
-            if stream.stats is not None:
-                self.totals.add(stream.stats, interrupted=interrupted)
-                self.screen.note(stats_line(stream.stats, interrupted=interrupted))
+            with held_interrupts(drop=self.screen.interactive):  # a second Ctrl-C must not cut the cleanup short
+                events.close()  # the engine's cleanup puts both KV caches back in line with their token lists
+                reply = {"role": "assistant", "content": "".join(parts)} | ({"interrupted": True} if interrupted else {})
+                self.conv.messages.append(reply)
+                self.screen.end_reply(reply["content"])
+                if stream.stats is not None:
+                    self.totals.add(stream.stats, interrupted=interrupted)
+                    self.screen.note(stats_line(stream.stats, interrupted=interrupted,
+                                                max_tokens=self.request().max_tokens, n_ctx=self.llm.target.n_ctx))
 
     # -- slash commands --
     def help(self, arg: str) -> None:

@@ -302,3 +302,41 @@ def test_an_unwritable_history_never_ends_the_chat_and_ctrl_c_leaves_only_before
     assert "input history not saved" in child.logfile_read.getvalue()
     ask(child, "And again")
     quit_with(child, "d")
+
+
+def test_a_reply_cut_by_a_full_context_says_so_not_max_tokens(smol_path, capsys):
+    with localspec.load(target=smol_path, n_ctx=256) as llm:
+        chat = Chat(llm, {"max_tokens": 1000, "temperature": 0, "drafter": "none"},
+                    Screen(interactive=False, show_draft=False))
+        chat.ask("Count from 1 to 1000, separated by commas.")
+        assert "cut where the context filled up (n_ctx=256)" in capsys.readouterr().err
+        chat.options["max_tokens"] = 4
+        chat.ask("Again.")
+        assert "cut at max_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("interactive", [True, False])
+def test_a_second_ctrl_c_while_a_reply_is_put_away_keeps_it(smol_path, interactive, capsys):
+    """Ctrl-C during the cleanup after a reply (caches rolled back, reply kept, stats) waited for it; in a
+    terminal it is then dropped, from a pipe it still ends the program, after the cleanup."""
+    with localspec.load(target=smol_path, n_ctx=512) as llm:
+        chat = Chat(llm, {"max_tokens": 6, "temperature": 0, "drafter": "none"},
+                    Screen(interactive=interactive, show_draft=False))
+        end_reply = chat.screen.end_reply
+
+        def interrupted_end_reply(text):
+            os.kill(os.getpid(), signal.SIGINT)  # delivered here, as a key press would be
+            end_reply(text)
+
+        chat.screen.end_reply = interrupted_end_reply
+        if interactive:
+            chat.ask("Say hi.")
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                chat.ask("Say hi.")
+        assert [m["role"] for m in chat.conv.messages] == ["user", "assistant"]
+        assert chat.totals.replies == 1 and "6 tokens" in "".join(capsys.readouterr())
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        chat.screen.end_reply = end_reply
+        chat.ask("Again.")  # the caches are in line: the next turn works
+        assert len(chat.conv.messages) == 4
