@@ -10,6 +10,7 @@ until the next decode of the same model.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import numbers
 import os
@@ -163,6 +164,16 @@ def check_gguf(path: str | os.PathLike) -> Path:
     return p
 
 
+def _in_use(method):
+    """The model is not freed while this runs: close() waits for it (a stream's consumer reads token pieces
+    outside the engine's lock, and llama.cpp's vocabulary is freed with the model)."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        with self._use:
+            return method(self, *args, **kwargs)
+    return guarded
+
+
 class Model:
     """A llama.cpp model with its own context and KV cache (sequence 0)."""
 
@@ -173,6 +184,7 @@ class Model:
         self.version = 0  # bumped by every change to the cache: a stream notices another user's changes
         self.decode_s = 0.0  # total time inside llama_decode: profiles read it to find Python overhead
         self._model = self._ctx = self._batch = None
+        self._use = threading.RLock()  # held by vocabulary readers and by close()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = cfg.n_gpu_layers
         mp.vocab_only = vocab_only
@@ -251,6 +263,7 @@ class Model:
         return self._ctx
 
     # ---- tokens and text ----
+    @_in_use
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Text -> tokens; special tokens such as <|im_start|> are recognised, so rendered prompts work."""
         data = text.encode("utf-8")
@@ -262,6 +275,7 @@ class Model:
             n = L.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, parse_special)
         return list(buf[:n])
 
+    @_in_use
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (control tokens render as b'' unless special)."""
         buf = getattr(self._piece_tls, "buf", None)
@@ -273,6 +287,7 @@ class Model:
             n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
+    @_in_use
     def pieces(self) -> list[bytes]:
         """Every token's bytes, in id order (control tokens as b''): read once (~0.5 s for 150k tokens) and
         kept, for the tables built from the whole vocabulary (token kinds, first bytes)."""
@@ -280,6 +295,7 @@ class Model:
             self._pieces = [self.piece(t) for t in range(self.n_vocab)]
         return self._pieces
 
+    @_in_use
     def control_spellings(self) -> re.Pattern | None:
         """What spells a control token in text ('<|im_start|>'): what tokenizing with special tokens parsed
         turns into one (llama.cpp matches control and unknown tokens by their text, longest first), or None
@@ -296,19 +312,24 @@ class Model:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     @property
+    @_in_use
     def bos(self) -> int:
         return L.llama_vocab_bos(self.vocab)
 
     @property
+    @_in_use
     def eos(self) -> int:
         return L.llama_vocab_eos(self.vocab)
 
+    @_in_use
     def is_eog(self, token: int) -> bool:
         return bool(L.llama_vocab_is_eog(self.vocab, token))
 
+    @_in_use
     def token_text(self, token: int) -> bytes:
         return L.llama_vocab_get_text(self.vocab, token) or b""
 
+    @_in_use
     def chat_template(self) -> str | None:
         self.vocab  # noqa: B018 - refuses a closed model
         t = L.llama_model_chat_template(self._model, None)
@@ -396,10 +417,11 @@ class Model:
         self._live_ctx()
         return L.llama_memory_seq_pos_max(self._mem, 0)
 
+    @_in_use
     def close(self) -> None:
-        """Free the model. Each handle is forgotten before it is freed, so a check that passes sees a live one;
-        closing while another thread is inside a call is still the caller's race (the engine's lock covers its
-        rounds, not a consumer reading token pieces)."""
+        """Free the model, once no other thread is inside a vocabulary call (the engine's lock covers its rounds;
+        this covers a consumer reading token pieces). Each handle is forgotten before it is freed, so a check
+        that passes sees a live one."""
         self._llg_tokenizer = None  # grammar.py's tokenizer over this vocabulary
         batch, self._batch = self._batch, None
         if batch is not None:

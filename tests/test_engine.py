@@ -2,6 +2,7 @@
 shared engines, bounds, small contexts, seeds, determinism, exactness, forged chat turns."""
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -351,6 +352,31 @@ def test_a_closed_engine_and_its_open_streams_raise_instead_of_touching_freed_me
     llm.close()  # waits for the round in progress, then the other thread's next round raises
     t.join()
     assert len(errors) == 1 and "is closed" in str(errors[0])
+
+
+def test_close_waits_for_a_token_piece_being_read_in_another_thread(smol_path, monkeypatch):
+    """A stream's consumer reads token pieces outside the engine's lock; close() freed the vocabulary under it."""
+    import localspec.model as lm
+
+    real, inside, order = lm.L.llama_token_to_piece, threading.Event(), []
+
+    def slow_piece(*args):
+        inside.set()
+        time.sleep(0.3)  # still reading the vocabulary when close() is called
+        order.append("piece")
+        return real(*args)
+
+    llm = localspec.load(target=smol_path, n_ctx=256)
+    monkeypatch.setattr(lm.L, "llama_token_to_piece", slow_piece)
+    t = threading.Thread(target=llm.target.piece, args=(1000,))
+    t.start()
+    inside.wait()
+    llm.close()
+    order.append("closed")
+    t.join()
+    assert order == ["piece", "closed"]
+    with pytest.raises(ModelError, match="is closed"):
+        llm.target.piece(1000)
 
 
 @pytest.mark.parametrize("call, message", [
