@@ -157,9 +157,10 @@ class Grammar:
         from llguidance import LLMatcher
 
         self.model, self.n_vocab = model, model.n_vocab
-        self.tok = tok = tokenizer(model)
+        with model.in_use():  # llguidance tokenizes through the llama.cpp vocabulary: not freed meanwhile
+            self.tok = tok = tokenizer(model)
+            self.matcher = LLMatcher(tok, grammar, log_level=0, limits=_limits())
         self.eog = frozenset(tok.eos_tokens)
-        self.matcher = LLMatcher(tok, grammar, log_level=0, limits=_limits())
         self._check()
         self._ahead = 0  # draft tokens consumed beyond the emitted ones (while rows are being masked)
         self._spelled: dict[tuple, bool] = {}  # _spelled_so's answers

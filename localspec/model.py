@@ -253,6 +253,11 @@ class Model:
             raise ModelError(f"{self.path.name} is closed: load it again to use it")
         return self._vocab
 
+    def in_use(self) -> threading.RLock:
+        """Hold it while something outside this class reads the vocabulary (llguidance's tokenizer over it):
+        close() waits."""
+        return self._use
+
     def check_open(self) -> None:
         """ModelError once the model is closed (before anything reaches for its freed memory)."""
         self.vocab  # noqa: B018
