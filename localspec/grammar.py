@@ -131,31 +131,6 @@ def tokenizer(model):
     return tok
 
 
-MATCHERS_KEPT = 16  # fresh matchers kept per model, by grammar
-
-
-def fresh_matcher(model, grammar: str):
-    """A new llguidance matcher for `grammar` over the model's vocabulary. Building one reads the whole
-    grammar (0.2 s for a 130 KB schema on a slow CPU); the first is kept unused per model (the latest
-    MATCHERS_KEPT grammars up to CACHED_CHARS) and later requests get a copy of it (0.1 ms). Call with
-    model.in_use() held."""
-    from llguidance import LLMatcher
-
-    tok = tokenizer(model)  # refuses a closed model
-    kept = getattr(model, "_llg_matchers", None)
-    if kept is None:
-        kept = model._llg_matchers = {}
-    proto = kept.pop(grammar, None)
-    if proto is None:
-        proto = LLMatcher(tok, grammar, log_level=0, limits=_limits())
-    if len(grammar) > CACHED_CHARS or proto.is_error():
-        return proto
-    kept[grammar] = proto  # the newest last: the oldest goes first
-    while len(kept) > MATCHERS_KEPT:
-        kept.pop(next(iter(kept)))
-    return proto.deep_copy()
-
-
 def first_bytes(model) -> np.ndarray:
     """Each token's first byte (-1 for none), built on first use, kept on the model."""
     fb = getattr(model, "_first_bytes", None)
@@ -179,10 +154,12 @@ class Grammar:
     """An llguidance matcher whose state follows the emitted tokens; row masks for each verified position."""
 
     def __init__(self, model, grammar: str):
+        from llguidance import LLMatcher
+
         self.model, self.n_vocab = model, model.n_vocab
         with model.in_use():  # llguidance tokenizes through the llama.cpp vocabulary: not freed meanwhile
             self.tok = tok = tokenizer(model)
-            self.matcher = fresh_matcher(model, grammar)
+            self.matcher = LLMatcher(tok, grammar, log_level=0, limits=_limits())
         self.eog = frozenset(tok.eos_tokens)
         self._check()
         self._ahead = 0  # draft tokens consumed beyond the emitted ones (while rows are being masked)

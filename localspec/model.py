@@ -427,7 +427,7 @@ class Model:
         """Free the model, once no other thread is inside a vocabulary call (the engine's lock covers its rounds;
         this covers a consumer reading token pieces). Each handle is forgotten before it is freed, so a check
         that passes sees a live one."""
-        self._llg_tokenizer = self._llg_matchers = None  # grammar.py's tokenizer over this vocabulary, its matchers
+        self._llg_tokenizer = None  # grammar.py's tokenizer over this vocabulary
         batch, self._batch = self._batch, None
         if batch is not None:
             L.llama_batch_free(batch)

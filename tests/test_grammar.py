@@ -119,26 +119,6 @@ def test_the_rest_of_the_forced_bytes_is_spelled_as_a_guess(smol_engine):
     assert g.forced() == [] and g.spelled([]) == []  # inside the value: nothing forced
 
 
-def test_a_grammar_seen_before_gets_a_copy_of_its_unused_matcher(smol_engine, monkeypatch):
-    """Building a matcher reads the whole grammar (0.2 s for a 130 KB schema): a resent schema gets a copy of
-    the first one, kept unused (a request that advanced it would leave the next one mid-output)."""
-    m = smol_engine.target
-    g = compile_spec(json_schema=PERSON)
-    first = Grammar(m, g)
-    first.consume(first.forced())  # '{"name":' consumed by the first request
-    second = Grammar(m, g)
-    assert second.matcher is not first.matcher and second.forced() == Grammar(m, g).forced()
-    assert m.detokenize(second.forced()) == '{"name":'
-    monkeypatch.setattr(grammar_module, "MATCHERS_KEPT", 2)
-    others = [compile_spec(regex=f"[a-z]{{{n}}}") for n in (1, 2, 3)]
-    for other in others:
-        Grammar(m, other)
-    assert list(m._llg_matchers) == others[1:]  # the latest grammars, the oldest dropped first
-    r = smol_engine.generate(smol_engine.chat_tokens(ASK), max_tokens=40, temperature=0, json_schema=PERSON)
-    again = smol_engine.generate(smol_engine.chat_tokens(ASK), max_tokens=40, temperature=0, json_schema=PERSON)
-    assert r.tokens == again.tokens and set(json.loads(r.text)) == set(PERSON["properties"])
-
-
 def test_a_guess_the_tokenizer_would_never_write_is_not_offered(smol_engine):
     """' [' opening an array of objects always merges with what follows (' [{'), ' ' before true or false too
     (' true'): a model writes its tokenizer's spelling, so those guesses would only fail. ' ' before a number
