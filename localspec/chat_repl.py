@@ -345,16 +345,17 @@ class Lines:
 def held_interrupts(*, drop: bool):
     """Ctrl-C inside the block waits until it is done; then it is dropped (drop=True: the reply it was meant
     for has already stopped) or raised. Only the main thread receives signals; elsewhere this does nothing."""
+    got = []
     try:
-        got, old = [], signal.signal(signal.SIGINT, lambda *_: got.append(1))
+        old = signal.signal(signal.SIGINT, lambda *_: got.append(1))
     except ValueError:  # not the main thread
-        yield
-        return
+        old = False
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
-    if got and not drop:
+        if old is not False:  # None: a handler set outside Python, which cannot be put back; the default then
+            signal.signal(signal.SIGINT, signal.default_int_handler if old is None else old)
+    if got and not drop and old is not signal.SIG_IGN:
         raise KeyboardInterrupt
 
 

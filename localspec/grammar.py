@@ -166,8 +166,9 @@ class Grammar:
         self._spelled: dict[tuple, bool] = {}  # _spelled_so's answers
 
     def _check(self) -> None:
-        if self.matcher.is_error():
-            raise GrammarError(f"the grammar failed: {_one_line(self.matcher.get_error())}")
+        if self.matcher.is_error():  # its first line says what (a dump of the parser's state follows)
+            raise GrammarError(f"the constraint failed: {_one_line(self.matcher.get_error().split(chr(10))[0])}; "
+                               "a simpler schema, grammar or regex may stay within llguidance's limits")
 
     # -- for drafters --
     def forced(self) -> list[int]:
@@ -242,6 +243,7 @@ class Grammar:
     def allowed(self, bits: bytes | None = None) -> np.ndarray:
         """A boolean row: which tokens the grammar allows next (from the matcher's bitmask, or `bits`)."""
         bits = np.frombuffer(self.matcher.compute_bitmask() if bits is None else bits, dtype=np.uint8)
+        self._check()  # past a limit (too many lexer states) its mask allows only the end: not a finished output
         allowed = np.unpackbits(bits, bitorder="little", count=self.n_vocab).view(bool)
         if not allowed.any():
             self._check()

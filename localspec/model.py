@@ -9,6 +9,7 @@ until the next decode of the same model.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -164,9 +165,37 @@ def check_gguf(path: str | os.PathLike) -> Path:
     return p
 
 
+class _Users:
+    """The threads inside calls that read the vocabulary, any number at once; close() frees the model only
+    when none is (the calling thread's own aside), and calls that start meanwhile wait, then find it closed.
+    llama.cpp's vocabulary is freed with the model, and a stream's consumer reads token pieces outside the
+    engine's lock."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._n = 0
+        self._mine = threading.local()
+
+    def __enter__(self) -> None:
+        with self._cond:
+            self._n += 1
+        self._mine.n = getattr(self._mine, "n", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        self._mine.n -= 1
+        with self._cond:
+            self._n -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self):
+        with self._cond:
+            self._cond.wait_for(lambda: self._n == getattr(self._mine, "n", 0))
+            yield
+
+
 def _in_use(method):
-    """The model is not freed while this runs: close() waits for it (a stream's consumer reads token pieces
-    outside the engine's lock, and llama.cpp's vocabulary is freed with the model)."""
+    """The model is not freed while this runs (see _Users)."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         with self._use:
@@ -184,7 +213,7 @@ class Model:
         self.version = 0  # bumped by every change to the cache: a stream notices another user's changes
         self.decode_s = 0.0  # total time inside llama_decode: profiles read it to find Python overhead
         self._model = self._ctx = self._batch = None
-        self._use = threading.RLock()  # held by vocabulary readers and by close()
+        self._use = _Users()  # the threads reading the vocabulary: close() waits for them
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = cfg.n_gpu_layers
         mp.vocab_only = vocab_only
@@ -253,9 +282,9 @@ class Model:
             raise ModelError(f"{self.path.name} is closed: load it again to use it")
         return self._vocab
 
-    def in_use(self) -> threading.RLock:
-        """Hold it while something outside this class reads the vocabulary (llguidance's tokenizer over it):
-        close() waits."""
+    def in_use(self) -> _Users:
+        """`with model.in_use():` around anything outside this class that reads the vocabulary (llguidance's
+        tokenizer over it): close() waits for it."""
         return self._use
 
     def check_open(self) -> None:
@@ -280,8 +309,7 @@ class Model:
             n = L.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, parse_special)
         return list(buf[:n])
 
-    @_in_use
-    def piece(self, token: int, special: bool = False) -> bytes:
+    def _piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (control tokens render as b'' unless special)."""
         buf = getattr(self._piece_tls, "buf", None)
         if buf is None:
@@ -292,12 +320,14 @@ class Model:
             n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
+    piece = _in_use(_piece)
+
     @_in_use
     def pieces(self) -> list[bytes]:
         """Every token's bytes, in id order (control tokens as b''): read once (~0.5 s for 150k tokens) and
         kept, for the tables built from the whole vocabulary (token kinds, first bytes)."""
         if self._pieces is None:
-            self._pieces = [self.piece(t) for t in range(self.n_vocab)]
+            self._pieces = [self._piece(t) for t in range(self.n_vocab)]
         return self._pieces
 
     @_in_use
@@ -306,15 +336,17 @@ class Model:
         turns into one (llama.cpp matches control and unknown tokens by their text, longest first), or None
         when the vocabulary has none. Built on first use, kept."""
         if self._spellings is None:
-            texts = {self.token_text(t).decode("utf-8", "replace") for t in range(self.n_vocab)
-                     if L.llama_vocab_get_attr(self.vocab, t) & (L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN)}
+            vocab = self.vocab
+            texts = {(L.llama_vocab_get_text(vocab, t) or b"").decode("utf-8", "replace") for t in range(self.n_vocab)
+                     if L.llama_vocab_get_attr(vocab, t) & (L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN)}
             texts.discard("")
             self._spellings = re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) \
                 if texts else False
         return self._spellings or None
 
+    @_in_use
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+        return b"".join(self._piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     @property
     @_in_use
@@ -422,21 +454,21 @@ class Model:
         self._live_ctx()
         return L.llama_memory_seq_pos_max(self._mem, 0)
 
-    @_in_use
     def close(self) -> None:
         """Free the model, once no other thread is inside a vocabulary call (the engine's lock covers its rounds;
         this covers a consumer reading token pieces). Each handle is forgotten before it is freed, so a check
         that passes sees a live one."""
-        self._llg_tokenizer = None  # grammar.py's tokenizer over this vocabulary
-        batch, self._batch = self._batch, None
-        if batch is not None:
-            L.llama_batch_free(batch)
-        ctx, self._ctx = self._ctx, None
-        if ctx:
-            L.llama_free(ctx)
-        model, self._model = self._model, None
-        if model:
-            L.llama_model_free(model)
+        with self._use.alone():
+            self._llg_tokenizer = None  # grammar.py's tokenizer over this vocabulary
+            batch, self._batch = self._batch, None
+            if batch is not None:
+                L.llama_batch_free(batch)
+            ctx, self._ctx = self._ctx, None
+            if ctx:
+                L.llama_free(ctx)
+            model, self._model = self._model, None
+            if model:
+                L.llama_model_free(model)
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
         try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .engine import make_request
 from .errors import LocalspecError
+from .grammar import GrammarError
 from .tools import _NAME, ToolError, ToolFormat, check_choice, check_tools, detect
 
 
@@ -182,7 +183,10 @@ def bad_request(e: LocalspecError, names: dict, fallback: str | None) -> ApiErro
     if isinstance(e, ApiError):
         return e
     head = re.match(r"\w+", str(e))
-    return ApiError(str(e), param=names.get(head.group() if head else "", fallback))
+    key = head.group() if head else ""
+    if isinstance(e, GrammarError):  # a constraint that gave out midway: the field that set it
+        key = next((k for k in ("json_schema", "json_object", "grammar", "regex") if k in names), key)
+    return ApiError(str(e), param=names.get(key, fallback))
 
 
 def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, response_format=None, template=None,

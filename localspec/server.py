@@ -181,6 +181,10 @@ class Worker:
         try:
             for ev in events:
                 job.put(("event", ev))
+        except LocalspecError as e:  # the request's own constraint gave out midway (llguidance's limits)
+            log.info("%s: %s", job.kind, e)
+            job.put(("error", bad_request(e, job.req.names, job.prompt_param)))
+            return
         finally:
             events.close()  # runs the loop's cleanup now: both KV caches match their token lists
         log.info("%s%s: %s", job.kind, " (cancelled)" if job.cancelled.is_set() else "", stream.stats.line())

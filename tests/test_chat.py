@@ -319,6 +319,7 @@ def test_a_reply_cut_by_a_full_context_says_so_not_max_tokens(smol_path, capsys)
 def test_a_second_ctrl_c_while_a_reply_is_put_away_keeps_it(smol_path, interactive, capsys):
     """Ctrl-C during the cleanup after a reply (caches rolled back, reply kept, stats) waited for it; in a
     terminal it is then dropped, from a pipe it still ends the program, after the cleanup."""
+    handler = signal.getsignal(signal.SIGINT)
     with localspec.load(target=smol_path, n_ctx=512) as llm:
         chat = Chat(llm, {"max_tokens": 6, "temperature": 0, "drafter": "none"},
                     Screen(interactive=interactive, show_draft=False))
@@ -336,7 +337,7 @@ def test_a_second_ctrl_c_while_a_reply_is_put_away_keeps_it(smol_path, interacti
                 chat.ask("Say hi.")
         assert [m["role"] for m in chat.conv.messages] == ["user", "assistant"]
         assert chat.totals.replies == 1 and "6 tokens" in "".join(capsys.readouterr())
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is handler
         chat.screen.end_reply = end_reply
         chat.ask("Again.")  # the caches are in line: the next turn works
         assert len(chat.conv.messages) == 4

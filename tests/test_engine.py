@@ -355,28 +355,34 @@ def test_a_closed_engine_and_its_open_streams_raise_instead_of_touching_freed_me
 
 
 def test_close_waits_for_a_token_piece_being_read_in_another_thread(smol_path, monkeypatch):
-    """A stream's consumer reads token pieces outside the engine's lock; close() freed the vocabulary under it."""
+    """A stream's consumer reads token pieces outside the engine's lock; close() freed the vocabulary under it
+    (a crash). Readers do not wait for each other: a long one (a grammar build) holds up no stream."""
     import localspec.model as lm
 
     real, inside, order = lm.L.llama_token_to_piece, threading.Event(), []
 
-    def slow_piece(*args):
-        inside.set()
-        time.sleep(0.3)  # still reading the vocabulary when close() is called
-        order.append("piece")
-        return real(*args)
+    def slow_piece(vocab, token, *args):
+        if token == 1000:
+            inside.set()
+            time.sleep(0.5)  # still reading the vocabulary when the others come
+        order.append(f"piece {token}")
+        return real(vocab, token, *args)
 
     llm = localspec.load(target=smol_path, n_ctx=256)
-    monkeypatch.setattr(lm.L, "llama_token_to_piece", slow_piece)
-    t = threading.Thread(target=llm.target.piece, args=(1000,))
-    t.start()
-    inside.wait()
-    llm.close()
-    order.append("closed")
-    t.join()
-    assert order == ["piece", "closed"]
-    with pytest.raises(ModelError, match="is closed"):
-        llm.target.piece(1000)
+    try:
+        monkeypatch.setattr(lm.L, "llama_token_to_piece", slow_piece)
+        slow = threading.Thread(target=llm.target.piece, args=(1000,))
+        slow.start()
+        assert inside.wait(10)
+        llm.target.piece(7)  # another reader meanwhile: not held up
+        llm.close()
+        order.append("closed")
+        slow.join(10)
+        assert order == ["piece 7", "piece 1000", "closed"]
+        with pytest.raises(ModelError, match="is closed"):
+            llm.target.piece(1000)
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("call, message", [

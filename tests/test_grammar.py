@@ -200,3 +200,17 @@ def test_bad_spec_through_the_api_is_a_request_error(smol_engine):
     with pytest.raises(GrammarError, match="regex is invalid"):
         smol_engine.generate("hi", max_tokens=4, regex="(")
     assert issubclass(GrammarError, type(RequestError("x")).__mro__[1])  # a LocalspecError: the CLI's exit 2
+
+
+def test_a_constraint_that_outgrows_llguidance_limits_raises_instead_of_ending_early(smol_engine, monkeypatch):
+    """Past max_lexer_states llguidance's mask allows only the end of generation: the output stopped at
+    '{"name":' with finish_reason 'stop', as if complete."""
+    from llguidance import LLParserLimits
+
+    monkeypatch.setattr(grammar_module, "_limits", lambda: LLParserLimits(max_lexer_states=40))
+    stream = smol_engine.stream(smol_engine.chat_tokens(ASK), max_tokens=64, temperature=0, json_schema=PERSON)
+    with pytest.raises(GrammarError, match="too many states.*simpler schema"):  # built, then failed midway
+        list(stream)
+    monkeypatch.undo()
+    assert json.loads(smol_engine.generate(smol_engine.chat_tokens(ASK), max_tokens=64, temperature=0,
+                                           json_schema=PERSON).text)

@@ -634,6 +634,27 @@ def test_response_format_json_schema(server, smol_engine):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_a_schema_that_outgrows_llguidance_limits_midway_is_a_400_not_a_cut_answer(smol_engine, monkeypatch):
+    """Past max_lexer_states llguidance's mask allowed only the end: '{"name":' came back, finish_reason stop."""
+    from llguidance import LLParserLimits
+    from starlette.testclient import TestClient
+
+    from localspec import grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "_limits", lambda: LLParserLimits(max_lexer_states=40))
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    body = {"messages": ASK_PERSON, "temperature": 0, "max_tokens": 64, "response_format": rf}
+    with TestClient(create_app(smol_engine), base_url="http://127.0.0.1") as client:
+        r = client.post(CHAT, json=body)
+        assert r.status_code == 400 and "too many states" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "response_format"
+        with client.stream("POST", CHAT, json=body | {"stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert r.status_code == 200 and "too many states" in events[-1]["error"]["message"]
+        monkeypatch.undo()  # the server goes on with llguidance's limits
+        assert client.post(CHAT, json=body).status_code == 200
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
