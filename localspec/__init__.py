@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import replace
 from typing import Mapping
@@ -72,10 +73,16 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
         n_ctx_draft = memory.trained_ctx(check_gguf(draft)) if draft is not None else None
     tcfg = ModelConfig(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
                        type_k=type_k, type_v=type_v, exact=exact, kwargs=dict(target_kwargs or {}))
-    dcfg = ModelConfig(n_ctx=n_ctx if n_ctx_draft is None else n_ctx_draft, n_threads=n_threads_draft or n_threads,
-                       n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft,
-                       flash_attn=flash_attn_draft or flash_attn, type_k=type_k_draft or type_k,
-                       type_v=type_v_draft or type_v, kwargs=dict(draft_kwargs or {}))
+    try:
+        dcfg = ModelConfig(n_ctx=n_ctx if n_ctx_draft is None else n_ctx_draft,
+                           n_threads=n_threads if n_threads_draft is None else n_threads_draft,
+                           n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft,
+                           flash_attn=flash_attn_draft or flash_attn, type_k=type_k_draft or type_k,
+                           type_v=type_v_draft or type_v, kwargs=dict(draft_kwargs or {}))
+    except ModelError as e:  # name the draft's own setting: 'n_ctx_draft must be ...', 'draft_kwargs: ...'
+        setting = re.match(r"(n_ctx|n_threads|n_gpu_layers|flash_attn|type_k|type_v) ", str(e))
+        raise ModelError(f"{setting.group(1)}_draft{str(e)[len(setting.group(1)):]}" if setting else
+                         f"draft_kwargs: {e}") from None
     # Only the target's logits decide the output; the draft model needs no exactness (and stays fast).
     est = memory.estimate(check_gguf(target), check_gguf(draft) if draft is not None else None, tcfg.n_ctx,
                           type_k=type_k, type_v=type_v, n_ctx_draft=dcfg.n_ctx if draft is not None else None,

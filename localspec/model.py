@@ -92,6 +92,18 @@ def default_threads() -> int:
     return n if n <= 4 else n // 2
 
 
+# llama.cpp settings that localspec sets from its own options, and others it cannot run with
+_OWN = {"n_ctx": "n_ctx (--n-ctx)", "n_threads": "n_threads (--threads)", "n_threads_batch": "n_threads (--threads)",
+        "n_gpu_layers": "n_gpu_layers (--n-gpu-layers)", "flash_attn_type": "flash_attn (--flash-attn)",
+        "type_k": "type_k (--type-k)", "type_v": "type_v (--type-v)"}
+_REFUSED = {"vocab_only": "a model loaded for its vocabulary alone cannot generate",
+            "no_alloc": "a model without its weights allocated cannot generate",
+            "embeddings": "speculation reads the logits, which an embeddings context does not give",
+            "n_outputs_max": "a verify needs a logit row for every drafted token",
+            "n_outputs_max_per_seq": "a verify needs a logit row for every drafted token",
+            "n_seq_max": "each model holds one sequence here", "n_samplers": "llama.cpp's own samplers are not used"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Settings of one model. `kwargs` reach llama_model_params / llama_context_params by field name."""
@@ -106,6 +118,10 @@ class ModelConfig:
     kwargs: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_threads", "n_gpu_layers"):
+            v = getattr(self, name)
+            if not (v is None and name == "n_threads") and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ModelError(f"{name} must be an integer, got {v!r}")
         if self.n_ctx < 16:
             raise ModelError(f"n_ctx must be at least 16, got {self.n_ctx}")
         if self.n_threads is not None and self.n_threads < 1:
@@ -117,8 +133,15 @@ class ModelConfig:
                 raise ModelError(f"{name} must be one of {', '.join(KV_TYPES)}, got {getattr(self, name)!r}")
         model_keys, ctx_keys = _fields(L.llama_model_params), _fields(L.llama_context_params)
         for key, value in self.kwargs.items():
+            if key in _OWN:
+                raise ModelError(f"llama.cpp setting {key} has its own option here: {_OWN[key]}")
+            if key in _REFUSED:
+                raise ModelError(f"llama.cpp setting {key} cannot be set here: {_REFUSED[key]}")
             if key not in model_keys and key not in ctx_keys:
-                raise ModelError(f"unknown llama.cpp setting {key!r}; allowed: {', '.join(sorted(model_keys | ctx_keys))}")
+                known = {n for struct in (L.llama_model_params, L.llama_context_params) for n, _ in struct._fields_}
+                allowed = ", ".join(sorted((model_keys | ctx_keys) - _OWN.keys() - _REFUSED.keys()))
+                raise ModelError(f"llama.cpp setting {key} cannot be set here: it holds a pointer or a callback"
+                                 if key in known else f"unknown llama.cpp setting {key!r}; allowed: {allowed}")
             ctype = dict((L.llama_model_params if key in model_keys else L.llama_context_params)._fields_)[key]
             if ctype is ctypes.c_float:  # as C holds it: 1e39 would be inf
                 ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(
@@ -264,7 +287,7 @@ class Model:
                              f"{_last_log()}; {fix}")
         self._mem = L.llama_get_memory(self._ctx)
         self.n_ctx = L.llama_n_ctx(self._ctx)
-        self.n_batch = cp.n_batch
+        self.n_batch = L.llama_n_batch(self._ctx)  # as llama.cpp settled it (n_batch in kwargs, its own bounds)
         # One batch for the model's lifetime; numpy views over its arrays make filling it loop-free.
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         b = self._batch

@@ -155,6 +155,27 @@ def test_unknown_llama_setting_is_an_error_naming_it(smol_path):
         localspec.load(target=smol_path, target_kwargs={"n_gpu_layerz": 1})
 
 
+@pytest.mark.parametrize("settings, message", [
+    ({"target_kwargs": {"n_ctx": 64}}, "n_ctx has its own option here: n_ctx"),  # aborted in calibration
+    ({"target_kwargs": {"vocab_only": True}}, "vocab_only cannot be set here"),  # aborted at load
+    ({"target_kwargs": {"n_outputs_max": 1}}, "a verify needs a logit row"),
+    ({"draft_kwargs": {"progress_callback": 1}}, "draft_kwargs: .*progress_callback .*a pointer or a callback"),
+    ({"n_ctx": "512"}, "n_ctx must be an integer, got '512'"),  # a TypeError from deep inside
+    ({"n_ctx_draft": 5}, "n_ctx_draft must be at least 16"),  # named n_ctx: the target's
+    ({"n_threads_draft": 0}, "n_threads_draft must be at least 1"),  # 0 meant the target's count
+])
+def test_settings_that_would_crash_or_mislead_are_errors_naming_the_setting(smol_path, settings, message):
+    with pytest.raises(ModelError, match=message):
+        localspec.load(target=smol_path, draft=smol_path, **({"n_ctx": 512} | settings))
+
+
+def test_n_batch_from_kwargs_is_what_the_loop_uses(smol_path):
+    with localspec.load(target=smol_path, n_ctx=512, target_kwargs={"n_batch": 16}) as llm:
+        assert llm.target.n_batch == 16
+        r = llm.generate("1, 2, 3, 4, 5, 6,", max_tokens=24, temperature=0, drafter="ngram", k=30)
+        assert r.stats.generated == 24 and any("clamped to 15 (n_batch=16)" in n for n in r.stats.notes)
+
+
 def test_a_context_llama_cpp_refuses_names_the_real_fix(smol_path):
     """A quantized V cache without flash attention: the error says that, not "a smaller n_ctx", and never
     suggests the quantized cache that is already set."""
