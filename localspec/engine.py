@@ -301,7 +301,7 @@ class Stream:
         self._read = True
         pre, rounds, drafting, drafted, acc, at, t_d, t_v, n = None, 0, 0, 0, 0, [], 0.0, 0.0, 0
         forced, predicted = [0, 0], [0, 0]
-        reason, held = "stop", None
+        reason, held = "cancelled", None  # until the loop says why it ended: a consumer that closes early cancels
         t_gen = time.perf_counter()
         try:
             for f in self._facts:

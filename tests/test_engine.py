@@ -430,3 +430,11 @@ def test_a_chat_completion_without_max_tokens_runs_until_the_context_is_full(smo
             usage = out["usage"]
             assert out["choices"][0]["finish_reason"] == "length" and usage["completion_tokens"] > 256
             assert usage["total_tokens"] == llm.target.n_ctx + 1  # the last token needs no KV cell
+
+
+def test_a_stream_closed_early_is_cancelled_not_stopped(smol_engine):
+    s = smol_engine.stream("Once upon a time", max_tokens=50, temperature=0, drafter="none")
+    it = iter(s)
+    next(it), next(it)
+    it.close()
+    assert s.finish_reason == "cancelled" and s.stats.generated == 2 and s.stats.finish_reason == "cancelled"
