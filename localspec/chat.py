@@ -30,6 +30,17 @@ def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=F
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
 
+def text_of(content) -> str | None:
+    """A message's content as text: a string, or OpenAI's content parts of type text joined by newlines (as
+    the server reads them); None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)) and all(
+            isinstance(c, Mapping) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+        return "\n".join(c["text"] for c in content)
+    return None
+
+
 def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str = "", eos_token: str = "",
            add_generation_prompt: bool = True, tools: Sequence[Mapping] | None = None) -> str:
     """The prompt text for a conversation (OpenAI-style messages: role and content; tool calls and results

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
-from .chat import ChatError
+from .chat import ChatError, text_of
 from .engine import Engine, Request, Stats, make_request
 from .errors import LocalspecError
 
@@ -88,10 +88,11 @@ def parse_messages(data: object) -> list[dict]:
         raise ChatError("expected a JSON list of messages (or an object with a \"messages\" list)")
     out = []
     for i, m in enumerate(data):
-        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-            raise ChatError(f"message {i} must be an object with role ({', '.join(ROLES)}) and string content, "
-                            f"got {json.dumps(m)[:80]}")
-        out.append({"role": m["role"], "content": m["content"]})
+        text = text_of(m.get("content")) if isinstance(m, dict) else None
+        if not (isinstance(m, dict) and m.get("role") in ROLES and text is not None):
+            raise ChatError(f"message {i} must be an object with role ({', '.join(ROLES)}) and content (text, or "
+                            f"a list of text parts), got {json.dumps(m)[:80]}")
+        out.append({"role": m["role"], "content": text})
         if m.get("interrupted"):
             out[-1]["interrupted"] = True
     return out

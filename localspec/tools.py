@@ -148,7 +148,7 @@ def check_choice(choice, tools: list[dict] | None) -> str:
 
 def for_template(messages: Sequence[dict]) -> list[dict]:
     """Messages as chat templates read them: a past call's arguments as an object, not OpenAI's JSON text."""
-    from .chat import ChatError
+    from .chat import ChatError, text_of
 
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ChatError("messages must be a non-empty list of {role, content} objects")
@@ -156,6 +156,12 @@ def for_template(messages: Sequence[dict]) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise ChatError(f"message {i} must be an object with 'role' and 'content', got {type(m).__name__}")
+        # text parts joined, as the server reads them; an assistant's null content (a call alone) is empty
+        text = "" if m.get("content") is None and m.get("role") == "assistant" else text_of(m.get("content"))
+        if text is None:
+            raise ChatError(f"message {i}: content must be a string or a list of text parts "
+                            f"({{'type': 'text', 'text': ...}}), got {type(m.get('content')).__name__}")
+        m = dict(m, content=text)
         if m.get("tool_calls"):
             calls = []
             if not isinstance(m["tool_calls"], (list, tuple)) or not all(

@@ -158,6 +158,8 @@ def test_save_load_round_trip_draft_colours_and_hints(smol_path, env, tmp_path):
     assert saved == json.loads(b.read_text())
     assert [m["role"] for m in saved] == ["system", "user", "assistant"] and saved[1]["content"] == u1
     assert parse_messages(saved) == saved
+    parts = [dict(m, content=[{"type": "text", "text": m["content"]}]) for m in saved]  # OpenAI's content parts
+    assert parse_messages({"messages": parts}) == saved
 
     u2 = {"role": "user", "content": "Another one?"}
     shown, _, reused = ask(child, u2["content"])

@@ -396,6 +396,10 @@ def test_close_waits_for_a_token_piece_being_read_in_another_thread(smol_path, m
     (lambda llm: llm.generate("hi", prediction=b"hi"), "prediction must be text or a list of token ids"),
     (lambda llm: llm.create_chat_completion("hi"), "messages must be a non-empty list"),
     (lambda llm: llm.create_chat_completion([None]), "message 0 must be an object"),
+    (lambda llm: llm.create_chat_completion([{"role": "user", "content": None}]),
+     "message 0: content must be a string or a list of text parts"),  # the template's TypeError
+    (lambda llm: llm.create_chat_completion([{"role": "user", "content": [{"type": "image_url"}]}]),
+     "message 0: content must be a string or a list of text parts"),
     (lambda llm: llm.create_chat_completion([{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
      "message 0: tool_calls must be a list of"),
 ])
@@ -411,6 +415,11 @@ def test_chat_completions_take_what_apps_send(smol_engine):
                 {"role": "assistant", "content": "ok", "tool_calls": []}, {"role": "user", "content": "more"})
     out = smol_engine.create_chat_completion(messages, max_tokens=2, temperature=0, prediction=None)
     assert out["choices"][0]["finish_reason"] in ("length", "stop") and out["usage"]["prompt_tokens"] > 20
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]},
+             {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]  # as the server takes them
+    joined = [{"role": "user", "content": "Say\nhi"}, {"role": "assistant", "content": ""}, parts[2]]
+    assert smol_engine.create_chat_completion(parts, max_tokens=4, temperature=0)["choices"] == \
+        smol_engine.create_chat_completion(joined, max_tokens=4, temperature=0)["choices"]
     assert smol_engine.generate("1, 2,", max_tokens=2, prediction=range(3)).text is not None
 
 
