@@ -3,7 +3,8 @@
 The conversation is a list of OpenAI-style messages. Each turn renders all of it with the target's chat
 template and hands the tokens to the engine, which prefills only what its caches do not already hold, so a
 turn costs its new tokens, not the whole conversation. An interrupted reply stays in the conversation as
-far as it got, marked `interrupted: true` beside role and content, never inside the text the model sees.
+far as it got, marked `interrupted: true` beside role and content, never inside the text the model sees;
+the oldest turns, once dropped to make room in n_ctx, stay in it marked `dropped: true` (/save keeps them).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def _show(key: str, value) -> str:
 
 # ---- conversation state ----
 def parse_messages(data: object) -> list[dict]:
-    """Messages from JSON: a list of {role, content[, interrupted]}, or an object with a "messages" list."""
+    """Messages from JSON: a list of {role, content[, interrupted, dropped]}, or an object with a "messages" list."""
     if isinstance(data, dict) and "messages" in data:
         data = data["messages"]
     if not isinstance(data, list):
@@ -93,13 +94,14 @@ def parse_messages(data: object) -> list[dict]:
             raise ChatError(f"message {i} must be an object with role ({', '.join(ROLES)}) and content (text, or "
                             f"a list of text parts), got {json.dumps(m)[:80]}")
         out.append({"role": m["role"], "content": text})
-        if m.get("interrupted"):
-            out[-1]["interrupted"] = True
+        for mark in ("interrupted", "dropped"):
+            if m.get(mark):
+                out[-1][mark] = True
     return out
 
 
 def plain(messages: list[dict]) -> list[dict]:
-    """What the model sees: role and content only (the interruption mark stays out)."""
+    """What the model sees: role and content only (the interruption and dropped marks stay out)."""
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -130,7 +132,8 @@ def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool],
 
 
 class Conversation:
-    """The messages so far; an assistant message may carry `interrupted: True` beside role and content."""
+    """The messages so far; an assistant message may carry `interrupted: True` beside role and content, and
+    a message dropped from the model's context to make room (`dropped: True`) stays here, for /save."""
 
     def __init__(self, system: str | None = None):
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
@@ -147,6 +150,10 @@ class Conversation:
 
     def reset(self) -> None:
         del self.messages[1 if self.system is not None else 0:]
+
+    def in_context(self) -> list[dict]:
+        """The messages the model still sees."""
+        return [m for m in self.messages if not m.get("dropped")]
 
     def save(self, path: Path) -> None:
         """A regular file is written beside itself (through a symlink, to where it points) and moved over, with
@@ -392,10 +399,11 @@ class Chat:
         return True
 
     def prompt(self, text: str) -> tuple[list[dict], int, list[int]]:
-        """The conversation plus the new message, the turns dropped so it fits in n_ctx, and its tokens."""
+        """The conversation the model sees plus the new message, the turns dropped so it fits in n_ctx, and its
+        tokens."""
         n_ctx = self.llm.target.n_ctx
         room = min(self.request().max_tokens, n_ctx // 2)  # kept free for the reply
-        messages = self.conv.messages + [{"role": "user", "content": text}]
+        messages = self.conv.in_context() + [{"role": "user", "content": text}]
 
         def size(m: list[dict]) -> int:
             return len(self.llm.chat_tokens(plain(m)))
@@ -416,7 +424,11 @@ class Chat:
         messages, dropped, tokens = self.prompt(text)
         stream = self.llm.stream(tokens, **self.options)
         events = iter(stream)
-        self.conv.messages = messages
+        kept = {id(m) for m in messages}
+        for m in self.conv.messages:
+            if id(m) not in kept:
+                m["dropped"] = True  # out of the model's context, still in the transcript
+        self.conv.messages.append(messages[-1])
         if dropped:
             self.totals.dropped += dropped
             self.screen.hint(f"dropped the oldest {dropped} turn{'s' if dropped > 1 else ''} "
@@ -508,7 +520,9 @@ class Chat:
         except OSError as e:
             self.screen.hint(f"cannot write {path}: {e.strerror or e}")
             return
-        self.screen.note(f"saved {len(self.conv.messages)} messages to {path}")
+        out = len(self.conv.messages) - len(self.conv.in_context())
+        self.screen.note(f"saved {len(self.conv.messages)} messages to {path}"
+                         + (f" ({out} dropped from the model's context earlier, marked \"dropped\")" if out else ""))
 
     def load(self, arg: str) -> None:
         if not arg:

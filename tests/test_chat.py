@@ -222,11 +222,13 @@ def test_long_conversations_drop_the_oldest_turns(smol_path, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "dropped the oldest" in r.stderr and len(STATS.findall(r.stderr)) == len(questions)
     assert "do not fit in n_ctx=256" in r.stderr and "Traceback" not in r.stderr  # too long even alone: skipped
-    messages = json.loads(saved.read_text())
-    assert messages[0] == {"role": "system", "content": "Be brief."}
-    assert messages[1]["role"] == "user" and len(messages) < 1 + 2 * len(questions)
-    assert messages[-2]["content"] == questions[-1]
-    assert messages[-1]["content"] == fresh(smol_path, messages[:-1], n_ctx=256)[0]
+    messages = json.loads(saved.read_text())  # the whole conversation: the dropped turns are marked, not lost
+    assert messages[0] == {"role": "system", "content": "Be brief."} and "dropped from the model's context" in r.stderr
+    assert [m["content"] for m in messages if m["role"] == "user"] == questions
+    seen = [m for m in messages if not m.get("dropped")]
+    assert seen[0] == messages[0] and seen[1]["role"] == "user" and len(seen) < len(messages)
+    assert seen[-1]["content"] == fresh(smol_path, seen[:-1], n_ctx=256)[0]
+    assert parse_messages(messages) == messages  # /load brings back the same context
 
 
 def test_drop_oldest_turns_keeps_the_system_prompt_and_the_new_message():
@@ -263,7 +265,7 @@ def test_after_a_trim_the_next_turns_reuse_the_cached_conversation(smol_path):
             reused.append(chat.totals.reused - before[0])
             prompt.append(reused[-1] + chat.totals.prefilled - before[1] + 1)  # the last token is decoded apart
             if trimmed_at is None and chat.totals.dropped:
-                trimmed_at, kept = i, len(llm.chat_tokens(chat.conv.messages))
+                trimmed_at, kept = i, len(llm.chat_tokens(chat.conv.in_context()))
             if trimmed_at is not None and i == trimmed_at + 2:
                 break
     assert trimmed_at is not None, "the conversation never filled n_ctx"
