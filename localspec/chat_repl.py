@@ -62,6 +62,25 @@ def _schema(value: str) -> str | None:
         raise ValueError(f"cannot read {value}: {e.strerror or e}") from None
 
 
+def _off(value: str) -> bool:
+    return value.lower() in ("off", "none", "")
+
+
+def _grammar(value: str) -> str | None:
+    """/set grammar FILE (or a one-line GBNF or Lark grammar typed inline) | off."""
+    if _off(value):
+        return None
+    if "::=" in value or value.startswith("start:"):
+        return value
+    return _schema(value)
+
+
+def _on_off(value: str) -> bool | None:
+    if value.lower() not in ("on", "off"):
+        raise ValueError(value)
+    return True if value.lower() == "on" else None
+
+
 # /set KEY VALUE: how each value is read (the engine then validates it, as for the command-line flags)
 SETTINGS: dict[str, tuple[Callable[[str], object], str]] = {
     "max_tokens": (int, "an integer"), "k": (int, "an integer"), "temperature": (float, "a number"),
@@ -71,12 +90,17 @@ SETTINGS: dict[str, tuple[Callable[[str], object], str]] = {
     "seed": (_seed, "an integer or none"), "drafter": (str, "a drafter name"), "accept": (str, "a rule name"),
     "p_min": (float, "a number"), "threshold": (float, "a number"),
     "json_schema": (_schema, "a JSON Schema file (or the schema itself) or off"),
+    "grammar": (_grammar, "a GBNF or Lark grammar file (or a one-line grammar) or off"),
+    "regex": (lambda v: None if _off(v) else v, "a regular expression or off"),
+    "json_object": (_on_off, "on or off"),
 }
+CONSTRAINTS = ("json_schema", "grammar", "regex", "json_object")  # at most one is on: setting one turns the rest off
 
 
 def _show(key: str, value) -> str:
-    if key == "json_schema":
-        return "off" if value is None else f"on ({len(value)} characters)"
+    if key in CONSTRAINTS:
+        return "off" if not value else "on" if value is True else repr(value) if key == "regex" and len(value) <= 60 \
+            else f"on ({len(value)} characters)"
     return "default" if value is None else str(value)
 
 
@@ -493,7 +517,8 @@ class Chat:
         if key == "drafter" and v in ("model", "hybrid") and self.llm.draft is None:
             self.screen.hint(f"drafter {v!r} needs a draft model: restart chat with --draft PATH")
             return
-        options = {k: x for k, x in (self.options | {key: v}).items() if x is not None}
+        options = {k: x for k, x in (self.options | {key: v}).items()
+                   if x is not None and not (v is not None and key in CONSTRAINTS and k in CONSTRAINTS and k != key)}
         try:
             self.request(options)
         except LocalspecError as e:

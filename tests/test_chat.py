@@ -294,6 +294,23 @@ def test_set_json_schema_constrains_the_next_replies_and_off_frees_them(smol_pat
     assert "cannot read /nonexistent.json" in r.stderr
 
 
+def test_every_kind_of_constraint_can_be_shown_set_and_turned_off(smol_path):
+    """Started with --regex, /set showed only json_schema and nothing turned the regex off."""
+    lines = ["/set", "Give a number.", "/set json_object on", "/set", "Give an object.",
+             '/set grammar root ::= "yes" | "no"', "/set", "Yes or no?", "/set grammar off", "/set"]
+    r = subprocess.run([sys.executable, *chat_args(smol_path, "--regex", "[0-9]+", max_tokens=12)],
+                       input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, TERM="xterm"))
+    assert r.returncode == 0, r.stderr
+    number, obj, answer = r.stdout.splitlines()[:3]
+    assert number.isdigit() and obj.startswith("{") and answer in ("yes", "no")
+    shown = [line for line in r.stderr.splitlines() if line.startswith("max_tokens=")]
+    assert "regex='[0-9]+', json_object=off" in shown[0]
+    assert "regex=off, json_object=on" in shown[1]  # setting one constraint turns the others off
+    assert "grammar=on (21 characters), regex=off, json_object=off" in shown[2]
+    assert "json_schema=off, grammar=off, regex=off, json_object=off" in shown[3]
+
+
 def test_an_unwritable_history_never_ends_the_chat_and_ctrl_c_leaves_only_before_the_first_message(smol_path, env):
     (Path(env["LOCALSPEC_HOME"]) / "chat_history").mkdir(parents=True)  # a directory where the file goes
     child = spawn(smol_path, env)
