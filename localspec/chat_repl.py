@@ -235,7 +235,7 @@ class Totals:
         return (f"{self.replies} replies ({self.interrupted} interrupted), {self.generated} tokens in "
                 f"{self.gen_s:.1f}s ({tps:.1f} tok/s); drafts {self.accepted}/{self.drafted} accepted ({rate:.0%}), "
                 f"{mean:.2f} per round; prompt {self.prefilled} prefilled, {self.reused} reused; "
-                f"{self.dropped} turns dropped; context {context}/{n_ctx} tokens")
+                f"{self.dropped} turns dropped; conversation {context}/{n_ctx} tokens of context")
 
 
 def stats_line(s: Stats, *, interrupted: bool = False, max_tokens: int | None = None, n_ctx: int | None = None) -> str:
@@ -482,7 +482,8 @@ class Chat:
         self.screen.note(HELP.format(keys=", ".join(SETTINGS)), "")
 
     def stats(self, arg: str) -> None:
-        self.screen.note(self.totals.line(len(self.llm.target.tokens), self.llm.target.n_ctx), "")
+        seen = plain(self.conv.in_context())  # what the next turn sends (the cache may hold more, for reuse)
+        self.screen.note(self.totals.line(len(self.llm.chat_tokens(seen)) if seen else 0, self.llm.target.n_ctx), "")
 
     def reset(self, arg: str) -> None:
         self.conv.reset()

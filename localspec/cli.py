@@ -78,7 +78,7 @@ def generation_options(f):
         click.option("--threshold", type=float, default=D.THRESHOLD, show_default=True,
                      help="--accept threshold: accept a draft token while p(d) >= threshold * max p."),
         click.option("--temperature", type=float, default=sd["temperature"], show_default=True, help="0 = greedy."),
-        click.option("--top-k", type=int, default=sd["top_k"], show_default=True, help="0 disables."),
+        click.option("--top-k", type=int, default=sd["top_k"], show_default=True, help="0 (or less) disables, as in llama.cpp."),
         click.option("--top-p", type=float, default=sd["top_p"], show_default=True),
         click.option("--min-p", type=float, default=sd["min_p"], show_default=True),
         click.option("--repeat-penalty", type=float, default=sd["repeat_penalty"], show_default=True),

@@ -100,6 +100,8 @@ def test_replies_equal_a_fresh_engine_and_the_second_turn_reuses_the_cache(smol_
 
     out = command(child, "/stats")
     assert "2 replies (0 interrupted)" in out and f"prompt {p1 + p2} prefilled, {r2} reused" in out
+    assert re.search(r"conversation \d+/1024 tokens of context", out)
+    assert "conversation 0/1024" in command(child, "/reset") + command(child, "/stats")  # the reset counts
     quit_with(child, "d")
 
 
