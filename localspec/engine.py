@@ -348,7 +348,9 @@ class Stream:
             self._facts.close()
             self.finish_reason = reason
             self.stats = Stats(finish_reason=reason, prompt_reused=pre.reused if pre else 0,
-                               prompt_prefilled=pre.prefilled if pre else 0,
+                               # + the prompt's last token, evaluated with the first round: reused +
+                               # prefilled is the whole prompt
+                               prompt_prefilled=pre.prefilled + 1 if pre else 0,
                                draft_prompt_reused=pre.draft_reused if pre else 0,
                                draft_prompt_prefilled=pre.draft_prefilled if pre else 0, prompt_s=pre.seconds if pre else 0.0,
                                generated=n, gen_s=time.perf_counter() - t_gen, rounds=rounds, drafted=drafted,

@@ -90,13 +90,13 @@ def test_replies_equal_a_fresh_engine_and_the_second_turn_reuses_the_cache(smol_
     shown, p1, r1 = ask(child, u1["content"])
     a1, n1 = fresh(smol_path, [u1])
     assert norm(shown).endswith(norm(a1))
-    assert (p1, r1) == (n1 - 1, 0)  # all but the last prompt token are prefilled, nothing cached yet
+    assert (p1, r1) == (n1, 0)  # the whole prompt is prefilled, nothing cached yet
 
     u2 = {"role": "user", "content": "And of Italy?"}
     shown, p2, r2 = ask(child, u2["content"])
     a2, n2 = fresh(smol_path, [u1, {"role": "assistant", "content": a1}, u2])
     assert norm(shown).endswith(norm(a2))
-    assert p2 + r2 == n2 - 1 and r2 >= n1 - 1 and p2 < n2 - n1  # only the new turn is prefilled
+    assert p2 + r2 == n2 and r2 >= n1 - 1 and p2 <= n2 - n1  # only the new turn is prefilled
 
     out = command(child, "/stats")
     assert "2 replies (0 interrupted)" in out and f"prompt {p1 + p2} prefilled, {r2} reused" in out
@@ -265,7 +265,7 @@ def test_after_a_trim_the_next_turns_reuse_the_cached_conversation(smol_path):
             before = chat.totals.reused, chat.totals.prefilled
             chat.ask(f"Fact {i}: " + "the quick brown fox jumps over the lazy dog " * 3)
             reused.append(chat.totals.reused - before[0])
-            prompt.append(reused[-1] + chat.totals.prefilled - before[1] + 1)  # the last token is decoded apart
+            prompt.append(reused[-1] + chat.totals.prefilled - before[1])
             if trimmed_at is None and chat.totals.dropped:
                 trimmed_at, kept = i, len(llm.chat_tokens(chat.conv.in_context()))
             if trimmed_at is not None and i == trimmed_at + 2:

@@ -61,7 +61,7 @@ def test_prefix_reuse_prefills_only_the_new_suffix(smol_engine):
     r = smol_engine.generate(longer, max_tokens=8, temperature=0, drafter="model")
     assert longer[:len(first)] == first
     assert r.stats.prompt_reused >= len(first) - 1
-    assert r.stats.prompt_prefilled == len(longer) - 1 - r.stats.prompt_reused
+    assert r.stats.prompt_prefilled == len(longer) - r.stats.prompt_reused == r.stats.prompt_tokens - r.stats.prompt_reused
     assert r.stats.draft_prompt_reused >= len(first) - 1
 
 
