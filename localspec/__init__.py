@@ -81,8 +81,9 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
                            type_v=type_v_draft or type_v, kwargs=dict(draft_kwargs or {}))
     except ModelError as e:  # name the draft's own setting: 'n_ctx_draft must be ...', 'draft_kwargs: ...'
         setting = re.match(r"(n_ctx|n_threads|n_gpu_layers|flash_attn|type_k|type_v) ", str(e))
+        own = re.sub(r"(\w+) \(--([\w-]+)\)$", r"\1_draft (--\2-draft)", str(e))  # its own option: the draft's
         raise ModelError(f"{setting.group(1)}_draft{str(e)[len(setting.group(1)):]}" if setting else
-                         f"draft_kwargs: {e}") from None
+                         f"draft_kwargs: {own}") from None
     # Only the target's logits decide the output; the draft model needs no exactness (and stays fast).
     est = memory.estimate(check_gguf(target), check_gguf(draft) if draft is not None else None, tcfg.n_ctx,
                           type_k=type_k, type_v=type_v, n_ctx_draft=dcfg.n_ctx if draft is not None else None,

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .errors import LocalspecError
+from .grammar import GrammarError
 from .memory import CTX_PAD
 from .model import KV_TYPES, default_threads
 from .sampling import SamplingParams
@@ -168,12 +169,15 @@ def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: flo
                         drafter="auto" if method == "auto-pred" else method, json_schema=schema,
                         prediction=prediction if method == "auto-pred" else None, trace=trace)
     n, text, t_first = 0, [], None
-    for ev in stream:
-        if t_first is None:
-            t_first = time.perf_counter()
-            decode0 = sum(m.decode_s for m in models)
-        n += 1
-        text.append(ev.text)
+    try:
+        for ev in stream:
+            if t_first is None:
+                t_first = time.perf_counter()
+                decode0 = sum(m.decode_s for m in models)
+            n += 1
+            text.append(ev.text)
+    except GrammarError as e:  # a schema past llguidance's limits ends this run, not the bench
+        return Run(0.0, n, "".join(text), same_as_plain=None, failed=f"GrammarError: {' '.join(str(e).split())}")
     wall = time.perf_counter() - t_first if t_first else 0.0
     inside = sum(m.decode_s for m in models) - decode0 if t_first else 0.0
     s = stream.stats

@@ -37,7 +37,8 @@ HELP = """\
                    (k is the most draft tokens per round; under the auto drafter, its upper bound;
                    json_schema FILE makes every reply valid JSON for that schema, off frees them)
 /draft on|off      colour the tokens that came from the draft
-/save FILE         write the conversation as JSON (OpenAI messages)
+/save FILE         write the conversation as JSON (OpenAI messages; turns dropped from the context
+                   are kept, marked "dropped": leave those out to send the file to an OpenAI API)
 /load FILE         read a conversation written by /save
 /exit              leave (also Ctrl-D; Ctrl-C at an empty prompt before the first message)
 
@@ -119,7 +120,7 @@ def parse_messages(data: object) -> list[dict]:
                             f"a list of text parts), got {json.dumps(m)[:80]}")
         out.append({"role": m["role"], "content": text})
         for mark in ("interrupted", "dropped"):
-            if m.get(mark):
+            if m.get(mark) and m["role"] != "system":  # the system prompt is never dropped
                 out[-1][mark] = True
     return out
 

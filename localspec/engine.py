@@ -256,7 +256,9 @@ class Stats:
 
     @property
     def prompt_tps(self) -> float:
-        return self.prompt_prefilled / self.prompt_s if self.prompt_s > 0 else 0.0
+        """Prefill speed: the tokens prefill evaluated (the prompt's last one goes with the first round)."""
+        timed = self.prompt_prefilled - 1
+        return timed / self.prompt_s if timed > 0 and self.prompt_s > 0 else 0.0
 
     @property
     def gen_tps(self) -> float:

@@ -93,8 +93,7 @@ def default_threads() -> int:
 
 
 # llama.cpp settings that localspec sets from its own options, and others it cannot run with
-_OWN = {"n_ctx": "n_ctx (--n-ctx)", "n_threads": "n_threads (--threads)", "n_threads_batch": "n_threads (--threads)",
-        "n_gpu_layers": "n_gpu_layers (--n-gpu-layers)", "flash_attn_type": "flash_attn (--flash-attn)",
+_OWN = {"n_ctx": "n_ctx (--n-ctx)", "n_threads": "n_threads (--threads)", "n_gpu_layers": "n_gpu_layers (--n-gpu-layers)", "flash_attn_type": "flash_attn (--flash-attn)",
         "type_k": "type_k (--type-k)", "type_v": "type_v (--type-v)"}
 _REFUSED = {"vocab_only": "a model loaded for its vocabulary alone cannot generate",
             "no_alloc": "a model without its weights allocated cannot generate",
@@ -192,28 +191,38 @@ class _Users:
     """The threads inside calls that read the vocabulary, any number at once; close() frees the model only
     when none is (the calling thread's own aside), and calls that start meanwhile wait, then find it closed.
     llama.cpp's vocabulary is freed with the model, and a stream's consumer reads token pieces outside the
-    engine's lock."""
+    engine's lock. Each thread's count changes in one step under the lock, so an interrupt cannot leave the
+    counts apart."""
 
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
-        self._n = 0
-        self._mine = threading.local()
+        self._inside: dict[int, int] = {}  # thread id -> how deep in vocabulary calls
+        self._waiting = 0  # closers waiting: only then does a reader leaving notify
 
     def __enter__(self) -> None:
+        me = threading.get_ident()
         with self._cond:
-            self._n += 1
-        self._mine.n = getattr(self._mine, "n", 0) + 1
+            self._inside[me] = self._inside.get(me, 0) + 1
 
     def __exit__(self, *exc) -> None:
-        self._mine.n -= 1
+        me = threading.get_ident()
         with self._cond:
-            self._n -= 1
-            self._cond.notify_all()
+            if self._inside[me] == 1:
+                del self._inside[me]
+                if self._waiting:
+                    self._cond.notify_all()
+            else:
+                self._inside[me] -= 1
 
     @contextlib.contextmanager
     def alone(self):
+        me = threading.get_ident()
         with self._cond:
-            self._cond.wait_for(lambda: self._n == getattr(self._mine, "n", 0))
+            self._waiting += 1
+            try:
+                self._cond.wait_for(lambda: not self._inside.keys() - {me})
+            finally:
+                self._waiting -= 1
             yield
 
 

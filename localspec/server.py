@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from .engine import Engine
 from .errors import LocalspecError
+from .grammar import GrammarError
 from .openai_request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_text, parse_chat,
                              parse_completion)
 from .openai_shapes import Chat, Completion, error
@@ -181,7 +182,7 @@ class Worker:
         try:
             for ev in events:
                 job.put(("event", ev))
-        except LocalspecError as e:  # the request's own constraint gave out midway (llguidance's limits)
+        except GrammarError as e:  # the request's own constraint gave out midway (llguidance's limits)
             log.info("%s: %s", job.kind, e)
             job.put(("error", bad_request(e, job.req.names, job.prompt_param)))
             return

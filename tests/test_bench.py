@@ -324,3 +324,18 @@ def test_each_run_of_our_methods_is_priced_within_itself(smol_engine, tmp_path):
     assert sum(r["drafted"] > 0 for r in rounds) > 0 and sum(r["drafted"] == 0 for r in rounds) >= 16
     assert row.runs["ngram"].within == bench.within_run(rounds) > 0
     assert "| within the run | 1.00x (≥ 1.00x) |" in bench.table([row])
+
+
+def test_a_schema_past_llguidance_limits_fails_its_runs_and_the_bench_goes_on(smol_engine, monkeypatch):
+    from llguidance import LLParserLimits
+
+    from localspec import grammar
+
+    monkeypatch.setattr(grammar, "_limits", lambda: LLParserLimits(max_lexer_states=40))
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    structured = prompt("person", "Describe a fictional person as JSON with name and age.") | {"schema": person}
+    rows = bench.run(smol_engine, [structured, SHORT], methods=("none", "ngram"), max_tokens=16)
+    assert all(rows[0].runs[m].failed.startswith("GrammarError: the constraint failed") for m in ("none", "ngram"))
+    assert rows[1].runs["ngram"].failed is None and rows[1].runs["ngram"].tokens > 0
+    assert "failed: GrammarError" in bench.table(rows, temperature=0.0, seed=None)

@@ -62,6 +62,8 @@ def test_prefix_reuse_prefills_only_the_new_suffix(smol_engine):
     assert longer[:len(first)] == first
     assert r.stats.prompt_reused >= len(first) - 1
     assert r.stats.prompt_prefilled == len(longer) - r.stats.prompt_reused == r.stats.prompt_tokens - r.stats.prompt_reused
+    again = smol_engine.generate(longer, max_tokens=2, temperature=0, drafter="model").stats
+    assert (again.prompt_prefilled, again.prompt_tps) == (1, 0.0)  # nothing timed in prefill: no speed, not 10^4
     assert r.stats.draft_prompt_reused >= len(first) - 1
 
 
