@@ -31,7 +31,8 @@ _OPTIONS = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_to
 # under the request's "localspec" key
 _SPECULATION = {"drafter": str, "k": int, "accept": str, "p_min": float, "threshold": float}
 # sent by OpenAI clients and changing nothing here
-_IGNORED = {"model", "stream", "user", "store", "metadata", "service_tier", "localspec"}
+_IGNORED = {"model", "stream", "user", "store", "metadata", "service_tier", "localspec", "safety_identifier",
+            "prompt_cache_key", "prompt_cache_retention", "verbosity"}
 # honoured only at their no-op value (null always is one): anything else would be silently wrong here
 _NOOP = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "functions": ([],),
          "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "reasoning_effort": (),

@@ -62,7 +62,9 @@ class Chat:
         self.lp, self.include_usage = _Logprobs(piece), include_usage
 
     def _finish(self, stats) -> str:
-        return "tool_calls" if self.parser is not None and self.parser.calls else stats.finish_reason
+        """"tool_calls" for a reply that made calls and ended by itself; cut short (length, cancelled), it says so."""
+        calls = self.parser is not None and self.parser.calls
+        return "tool_calls" if calls and stats.finish_reason == "stop" else stats.finish_reason
 
     def response(self, events: Iterable, stats) -> dict:
         text = ""
@@ -72,7 +74,8 @@ class Chat:
         content, calls = text, []
         if self.parser is not None:
             parts = self.parser.feed(text) + [self.parser.finish()]
-            content = "".join(p for p in parts if isinstance(p, str)).strip() if self.parser.calls else text
+            content = "".join(p for p in parts if isinstance(p, str))
+            content = content.strip() if self.parser.calls else content
             calls = [c.to_openai() for c in self.parser.calls]
         message = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
@@ -111,7 +114,7 @@ class Chat:
 
     def final_chunks(self, stats) -> list[dict]:
         rest = self._deltas([self.parser.finish()]) if self.parser is not None else []
-        done = self._chunk({}, self._finish(stats), usage=usage(stats), localspec=stats.to_dict())
+        done = self._chunk({}, self._finish(stats), localspec=stats.to_dict())  # usage: below, if asked for
         if not self.include_usage:
             return rest + [done]
         return rest + [done, {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -157,7 +160,7 @@ class Completion:
         return [self._obj(ev.text, None)] if ev.text else []
 
     def final_chunks(self, stats) -> list[dict]:
-        done = self._obj("", stats.finish_reason, usage=usage(stats), localspec=stats.to_dict())
+        done = self._obj("", stats.finish_reason, localspec=stats.to_dict())  # usage: below, if asked for
         if not self.include_usage:
             return [done]
         return [done, {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,

@@ -55,11 +55,8 @@ class ToolFormat:
         if choice == "none":
             return None
         chosen = tools if choice in ("auto", "required") else [t for t in tools if t["function"]["name"] == choice]
-        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": _params(t)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
-        schema = json.dumps((calls[0] if len(calls) == 1 else {"anyOf": calls}) | {"x-guidance": self.json_style})
         tag = lambda text: f"<[{token_of(text)}]>" if token_of(text) is not None else json.dumps(text)  # noqa: E731
-        body = f'"\\n" %json {schema} "\\n" {tag(self.close)}'
+        body = f'"\\n" {self._call(chosen)} "\\n" {tag(self.close)}'
         if choice != "auto":  # required: one call or more (parallel); a named function: one call to it
             start = 'start: call ("\\n" call)*' if choice == "required" and parallel else "start: call"
             return f"{start}\ncall: {tag(self.open)} {body}\n"
@@ -75,6 +72,15 @@ class ToolFormat:
             kinds.append("fenced")
         start = f"start: ({' | '.join(kinds)}){'*' if parallel else '?'} TEXT"
         return "\n".join([start, *rules, "TEXT: /(.|\\n)*/"]) + "\n"
+
+    def _call(self, chosen: list[dict]) -> str:
+        """One call's JSON as the template spells it ({"name": ..., "arguments": {...}}), each function's
+        parameters compiled as a schema of their own, so that their $defs and $refs resolve (nested under the
+        call's "arguments" key, '#/$defs/...' pointed nowhere)."""
+        kv, sep = self.json_style["key_separator"], self.json_style["item_separator"]
+        head = lambda t: json.dumps('{"name"' + kv + json.dumps(t["function"]["name"]) + sep + '"arguments"' + kv)  # noqa: E731
+        alts = [f'{head(t)} %json {json.dumps(_params(t) | {"x-guidance": self.json_style})}' for t in chosen]
+        return f'({" | ".join(alts)}) "}}"'
 
     def parser(self, tools: list[dict] | None = None) -> "CallParser":
         return CallParser(self, {t["function"]["name"] for t in tools or ()})
@@ -119,8 +125,10 @@ def check_tools(tools) -> list[dict]:
         if name in names:
             raise ToolError(f"{where}.function.name {name!r} is given twice")
         names.add(name)
-        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
-            raise ToolError(f"{where}.function.parameters must be a JSON Schema object")
+        if f.get("parameters") is not None and (not isinstance(f["parameters"], dict)
+                                                or f["parameters"].get("type", "object") != "object"):
+            raise ToolError(f"{where}.function.parameters must be a JSON Schema of an object (arguments are "
+                            "an object of named values)")
         if f.get("description") is not None and not isinstance(f["description"], str):
             raise ToolError(f"{where}.function.description must be a string")
         out.append({"type": "function", "function": {k: f[k] for k in ("name", "description", "parameters")
@@ -184,8 +192,8 @@ class CallParser:
     """Output text -> content and tool calls, incrementally: feed() returns what can be shown now.
 
     Text that may be the start of an opening tag is held back until it is known; a call is returned once its
-    closing tag arrives. A fenced JSON block is a call only when it names one of the tools. Whatever is left
-    open at the end comes back as content.
+    closing tag arrives. A fenced JSON block is a call only when it names one of the tools. At the end, a fenced
+    block left open comes back as content; a tagged call left open (cut short) is dropped.
     """
 
     def __init__(self, fmt: ToolFormat, names: set[str]):
@@ -225,7 +233,10 @@ class CallParser:
             self._buf, self._open = self._buf[len(raw):].lstrip("\n") if call else self._buf[len(raw):], None
 
     def finish(self) -> str:
-        rest, self._buf, self._open = self._buf, "", None
+        """What is left at the end, as content; a tagged call left open (the reply was cut short) is markup, not
+        content, and is dropped (a fenced block left open is shown: it may be a code block for the reader)."""
+        rest = "" if self._open == self.tags[0] else self._buf
+        self._buf, self._open = "", None
         return rest
 
     def _call(self, body: str) -> ToolCall | None:

@@ -120,7 +120,9 @@ def test_models_lists_the_target_stem(server):
 
 def test_chat(server, smol_engine):
     r = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24,
-                                                extra_body={"localspec": {"drafter": "model", "k": 3}})
+                                                extra_body={"localspec": {"drafter": "model", "k": 3},
+                                                            # newer OpenAI fields that change nothing here
+                                                            "prompt_cache_key": "k", "safety_identifier": "u"})
     assert r.choices[0].message.content == chat_answer(smol_engine, MESSAGES, 24)
     assert r.choices[0].finish_reason in ("stop", "length")
     st = stats_of(r)
@@ -782,6 +784,28 @@ def test_check_text_bounds_nesting_and_names_the_field():
     assert e.value.param == "messages[0].content[1].text"
 
 
+def test_tool_parameters_with_defs_and_refs_constrain_the_call(smol_engine):
+    """Pydantic's nested models come as $defs + $ref: nested under the call's "arguments" key, '#/$defs/A'
+    pointed nowhere and every such tool was refused with a 400."""
+    from localspec.grammar import Grammar, compile_spec
+    from localspec.tools import HERMES, ToolError, check_tools
+
+    save = {"type": "function", "function": {"name": "save", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"],
+        "$defs": {"A": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}}}
+    tools = check_tools([save, {"type": "function", "function": {"name": "ping"}}])
+    for choice, body, ok in [("required", '{"name": "save", "arguments": {"a": {"x": "y"}}}', True),
+                             ("required", '{"name": "ping", "arguments": {}}', True),
+                             ("required", '{"name": "save", "arguments": {"a": {"z": 1}}}', False),
+                             ("save", '{"name": "ping", "arguments": {}}', False)]:
+        g = Grammar(smol_engine.target, compile_spec(grammar=HERMES.grammar(tools, choice, True, lambda t: None)))
+        tokens = smol_engine.target.tokenize(f"<tool_call>\n{body}\n</tool_call>", add_special=False,
+                                             parse_special=False)
+        assert (g.validate(tokens) == len(tokens)) == ok, (choice, body)
+    with pytest.raises(ToolError, match="parameters must be a JSON Schema of an object"):
+        check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
+
+
 def test_tool_call_parser_leaves_odd_json_as_text():
     """Blocks that are JSON but not a call: a name that is an object, nesting past Python's parser."""
     from localspec.tools import FORMATS, CallParser
@@ -794,6 +818,30 @@ def test_tool_call_parser_leaves_odd_json_as_text():
         assert "".join(o for o in out if isinstance(o, str)) == text and not p.calls
     p = CallParser(fmt, {"f"})
     assert [o.name for o in p.feed(f'{fmt.open}{{"name": "f", "arguments": {{"x": 1}}}}{fmt.close}')] == ["f"]
+
+
+def test_a_reply_cut_short_inside_a_call_says_length_and_shows_no_markup():
+    """max_tokens ending a reply inside its second call: finish_reason said "tool_calls" and the half-written
+    '<tool_call>{"name": ...' came back as content, to be shown to the user."""
+    from localspec.engine import Event
+    from localspec.openai_shapes import Chat
+    from localspec.tools import FORMATS
+
+    fmt, tools = FORMATS[0], [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu'
+    stats = SimpleNamespace(finish_reason="length", to_dict=lambda: {}, prompt_tokens=5, generated=20,
+                            prompt_reused=0, accepted_prediction=0, drafted_prediction=0)
+    events = [Event(0, ch, False) for ch in text]
+    r = Chat("m", fmt, tools).response(events, stats)["choices"][0]
+    assert r["finish_reason"] == "length" and r["message"]["content"] == "Sure."
+    assert [c["function"]["name"] for c in r["message"]["tool_calls"]] == ["f"]
+    shape = Chat("m", fmt, tools)
+    chunks = [c for ev in events for c in shape.chunks(ev)] + shape.final_chunks(stats)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks).strip() == "Sure."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in chunks[-1]  # not asked for
+    stats.finish_reason = "stop"
+    assert Chat("m", fmt, tools).response(events[:text.index("\n<tool_call>\n{\"name\": \"g")], stats)[
+        "choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_a_template_that_fails_on_odd_input_is_a_chat_error():
