@@ -463,13 +463,16 @@ def models() -> None:
     from . import memory, registry
 
     reg = registry.load_registry()
-    rows = [("pair", "target", "draft", "size", "pulled", "settings", "memory")]
+    rows, damaged = [("pair", "target", "draft", "size", "pulled", "settings", "memory")], []
     for p in reg.pairs.values():
         specs = reg.specs(p.name)
         paths = [registry.local_path(s) for s in (reg.model(p.target), reg.model(p.draft))]
         size = sum(s.size for s in specs)
-        mem = (memory.gib(memory.estimate(paths[0], paths[1], p.n_ctx).total) if all(paths)
-               else f">={memory.gib(size)}")
+        try:
+            mem = (memory.gib(memory.estimate(paths[0], paths[1], p.n_ctx).total) if all(paths)
+                   else f">={memory.gib(size)}")
+        except (memory.GGUFError, OSError) as e:  # one damaged file: that pair's row says so, the rest are listed
+            mem, damaged = "?", damaged + [f"{p.name}: {e}"]
         rows.append(((("* " if p.name == reg.default_pair else "  ") + p.name), p.target, p.draft,
                      memory.gib(size), "yes" if all(paths) else "partly" if any(paths) else "no",
                      f"{p.drafter}{f' k={p.k}' if p.k else ''} p_min={p.p_min} n_ctx={p.n_ctx}", mem))
@@ -478,6 +481,8 @@ def models() -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     click.echo("\n* default pair. memory: weights + KV (f16) + compute at the pair's n_ctx, CPU only; "
                "'>=' is weights alone until pulled. `localspec pull PAIR` fetches one.")
+    for d in damaged:
+        click.echo(f"? {d} (`localspec pull` verifies it and fetches it again)", err=True)
 
 
 @cli.command()

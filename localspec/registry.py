@@ -14,10 +14,12 @@ within the call (pin >= 1.20); the mirror assembles into FILE.part, moved into p
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -204,6 +206,13 @@ def load_registry() -> Registry:
         reg = _parse(user, reg)
     elif os.environ.get("LOCALSPEC_MODELS"):
         raise RegistryError(f"LOCALSPEC_MODELS names {user}, which is not a file")
+    by_file: dict[str, ModelSpec] = {}
+    for m in reg.models.values():  # each is kept at $LOCALSPEC_HOME/models/FILE: two would delete each other's
+        other = by_file.setdefault(m.file, m)
+        if other is not m and (other.sha256, other.size) != (m.sha256, m.size):
+            raise RegistryError(f"{user}: models {other.name!r} and {m.name!r} are different files with the same "
+                                f"name {m.file!r}, and localspec keeps one file per name in {home() / 'models'} "
+                                "(each download would delete the other): keep one of them")
     return reg
 
 
@@ -377,9 +386,17 @@ def resolve_model(spec: ModelSpec, *, allow_mirror: bool = True, log=_stderr) ->
         return found
     if hub_offline():
         raise RegistryError(f"{spec.name} ({spec.file}) is not downloaded and HF_HUB_OFFLINE=1 forbids fetching "
-                            f"it; run `localspec pull {spec.name}` with network access")
+                            f"it: unset HF_HUB_OFFLINE where the network is reachable and run "
+                            f"`localspec pull {spec.name}`")
     try:
         return _from_hub(spec, log)
+    except OSError as e:
+        if e.errno not in _LOCAL_ERRNOS:  # requests' network errors are OSErrors too, without these numbers
+            hub_error = _one_line(e)
+        else:  # this disk, not the Hub: the mirror would fail the same way
+            raise _cannot_write(spec, home() / "models", e) from None
+    except _LocalError:
+        raise
     except Exception as e:  # noqa: BLE001 - every Hub failure (HTTP, network, integrity) leads to the same fallback
         hub_error = _one_line(e)
     where = f"{spec.name} ({spec.repo}/{spec.file} at {spec.revision})"
@@ -399,8 +416,21 @@ def resolve_model(spec: ModelSpec, *, allow_mirror: bool = True, log=_stderr) ->
                             f"mirror ({e})") from None
 
 
+class _LocalError(RegistryError):
+    """This machine, not the Hub, stops the download (no room, no write access): the mirror would fail too."""
+
+
+def _cannot_write(spec: ModelSpec, folder: Path, e: OSError) -> RegistryError:
+    return _LocalError(f"cannot write {spec.name} to {folder}: {e.strerror or e}; set LOCALSPEC_HOME to a "
+                         "writable folder with room for it")
+
+
+_LOCAL_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EDQUOT}
+
+
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())[:300] or "no message"
+    text = " ".join(str(e).split()) or "no message"
+    text = text if len(text) <= 600 else text[:600].rsplit(" ", 1)[0] + " …"
     return text if isinstance(e, RegistryError) else f"{type(e).__name__}: {text}"
 
 
@@ -414,7 +444,15 @@ def _from_hub(spec: ModelSpec, log) -> Path:
     if meta.size is not None and meta.size != spec.size:
         raise RegistryError(f"the Hub's file is {meta.size} bytes but models.toml pins {spec.size}; "
                             f"revision {spec.revision!r} now holds other bytes: pin the revision that matches")
-    own_path(spec)  # refuses a file that would land outside $LOCALSPEC_HOME/models
+    dest = own_path(spec)  # refuses a file that would land outside $LOCALSPEC_HOME/models
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(dest.parent).free
+    except OSError as e:
+        raise _cannot_write(spec, dest.parent, e) from None
+    if free < spec.size:
+        raise _LocalError(f"{spec.name} needs {spec.size / 2**20:,.0f} MiB but {dest.parent} has "
+                            f"{free / 2**20:,.0f} MiB free: free some space or set LOCALSPEC_HOME to a folder with room")
     for attempt in (1, 2):
         # local_dir: into our own folder, never the shared cache. force_download: we get here only when no
         # local copy verified, so never copy the (unverified) cache entry or reuse a file left there.

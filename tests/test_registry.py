@@ -182,7 +182,7 @@ def test_offline_fetches_nothing_and_names_the_command(tmp_path, hub, env, smol_
     offline = {**env, "HF_HUB_OFFLINE": "1"}
     r = localspec(offline, "pull", "smollm2-self")
     assert r.returncode == 2
-    assert SMOL_SPEC.file in r.stderr and f"`localspec pull {SMOL}`" in r.stderr
+    assert SMOL_SPEC.file in r.stderr and f"`localspec pull {SMOL}`" in r.stderr and "unset HF_HUB_OFFLINE" in r.stderr
     assert r.stderr.count("\n") == 1                          # one line, no traceback
     assert not hub.requests
 
@@ -191,6 +191,33 @@ def test_offline_fetches_nothing_and_names_the_command(tmp_path, hub, env, smol_
     r = localspec(offline, "pull", SMOL)
     assert r.returncode == 0, r.stderr
     assert not hub.requests
+
+
+def test_a_disk_without_room_is_said_so_before_downloading_and_the_mirror_is_not_tried(tmp_path, hub, index,
+                                                                                        monkeypatch):
+    """A full disk came back as 'could not download from the Hugging Face Hub' (and with the mirror on, up to
+    1.5 GB of wheels were fetched next, to fail the same way)."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.delenv("LOCALSPEC_NO_MIRROR", raising=False)
+    monkeypatch.setattr(registry.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 30, 10 << 30, 5 << 20))
+    with pytest.raises(RegistryError, match=r"needs 94 MiB but .* has 5 MiB free: free some space or set LOCALSPEC_HOME"):
+        registry.resolve_model(SMOL_SPEC)
+    assert not [g for g in hub.gets() if SMOL_SPEC.file in g.path]  # no byte of the file was asked for
+    assert not index.requests and trusted_leftovers(tmp_path) == []
+
+
+def test_two_models_with_one_file_name_are_refused_not_left_to_delete_each_other(user_models):
+    user_models.write_text(f'''
+[models.twin]
+repo = "Someone/Else"
+file = "{SMOL_SPEC.file}"
+revision = "main"
+size = 1000
+sha256 = "{"0" * 64}"
+''')
+    with pytest.raises(RegistryError, match=f"'{SMOL}' and 'twin' are different files with the same name"):
+        registry.load_registry()
 
 
 # ---- the PyPI mirror against a loopback package index ----
@@ -384,6 +411,21 @@ def test_models_command_lists_pairs_with_memory(user_models, tmp_path, smol_path
     assert ">=1.50 GiB" in rows["qwen2.5-coder-1.5b"]
     assert " yes " in rows["smollm2-self"] and "auto p_min=0.0 n_ctx=2048" in rows["smollm2-self"]
     assert rows["smollm2-self"].rstrip().endswith(memory.gib(est.total))
+
+
+def test_one_damaged_model_file_leaves_the_other_pairs_listed(user_models, tmp_path):
+    """A right-sized file of zeros made `localspec models` fail for every pair."""
+    from click.testing import CliRunner
+
+    from localspec.cli import cli
+
+    user_models.write_text("")
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    (tmp_path / "home" / "models" / SMOL_SPEC.file).write_bytes(b"\0" * SMOL_SPEC.size)
+    r = CliRunner().invoke(cli, ["models"], catch_exceptions=False)  # click 8.2+: stdout and stderr apart
+    assert r.exit_code == 0 and "qwen2.5-coder-1.5b" in r.stdout
+    assert [line.split()[-1] for line in r.stdout.splitlines() if "smollm2-self" in line] == ["?"]
+    assert "not a GGUF file" in r.stderr and "localspec pull" in r.stderr
 
 
 # ---- memory: GGUF header, estimate, check ----
