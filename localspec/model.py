@@ -172,11 +172,27 @@ def _fields(struct) -> set[str]:
     return {name for name, ctype in struct._fields_ if ctype in _SETTABLE}
 
 
+def _name_hint(text: str) -> str:
+    """For a path that is really a models.toml name: how to use the name."""
+    try:
+        from .registry import load_registry
+
+        reg = load_registry()
+    except LocalspecError:
+        return ""
+    if text in reg.pairs:
+        return f"; {text!r} is a pair in models.toml: pass --pair {text} (pair={text!r} in Python)"
+    if text in reg.models:
+        return (f"; {text!r} is a model in models.toml: `localspec pull {text}` fetches it and prints its path, "
+                "or pass a pair's name with --pair (`localspec models` lists them)")
+    return ""
+
+
 def check_gguf(path: str | os.PathLike) -> Path:
     """Fail early, with the fix, on paths llama.cpp would reject with a bare NULL."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelError(f"model file not found: {p}")
+        raise ModelError(f"model file not found: {p}{_name_hint(str(path))}")
     if not p.is_file():
         raise ModelError(f"model path is not a file: {p}")
     with open(p, "rb") as f:

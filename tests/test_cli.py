@@ -75,6 +75,7 @@ def bad_files(tmp_path_factory, smol_path):
 
 BAD = {
     "missing file": (["--target", "/nonexistent/model.gguf", "hi"], "not found"),
+    "a pair's name as a path": (["--target", "smollm2-self", "hi"], "is a pair in models.toml: pass --pair smollm2-self"),
     "not GGUF": (["--target", "{bad}/notgguf.gguf", "hi"], "not a GGUF file"),
     "truncated GGUF": (["--target", "{bad}/truncated.gguf", "hi"], "truncated or corrupt"),
     "incompatible pair": (["--target", "{smol}", "--draft", "{qwen_draft}", "hi"], "incompatible"),
@@ -137,6 +138,10 @@ def test_check_compatible_and_incompatible_pairs(smol_path, qwen_paths):
     assert bad.returncode == 1
     assert "FAIL  vocab size difference <= 128" in bad.stdout
     assert "first difference at token 5" in bad.stdout
+    named = localspec("check", "--target", qwen_paths[0], "--draft", smol_path)  # as the other commands take them
+    assert named.returncode == 1 and named.stdout == bad.stdout
+    both = localspec("check", qwen_paths[0], "--target", qwen_paths[0], smol_path)
+    assert both.returncode == 2 and "not both" in both.stderr
 
 
 def test_named_pair_loads_with_its_recommended_settings(smol_path):
