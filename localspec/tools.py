@@ -58,7 +58,9 @@ class ToolFormat:
         tag = lambda text: f"<[{token_of(text)}]>" if token_of(text) is not None else json.dumps(text)  # noqa: E731
         body = f'"\\n" {self._call(chosen)} "\\n" {tag(self.close)}'
         if choice != "auto":  # required: one call or more (parallel); a named function: one call to it
-            start = 'start: call ("\\n" call)*' if choice == "required" and parallel else "start: call"
+            # the template's line break after a call may end the reply too: without it, once the model wrote
+            # `</tool_call>\n` (as it does) the grammar masked the end and it invented calls until the context filled
+            start = 'start: call ("\\n" call)* "\\n"?' if choice == "required" and parallel else "start: call"
             return f"{start}\ncall: {tag(self.open)} {body}\n"
         # auto: free text until the model opens a call, where the constraint starts (a lazy trigger)
         rules = [f"tagged: TEXT {tag(self.open)} {body}"]

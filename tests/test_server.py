@@ -698,6 +698,12 @@ def test_tools_required_named_and_streamed(qwen_server):
                                        max_tokens=128, parallel_tool_calls=False)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name in ("get_weather", "get_time") and "city" in json.loads(call.function.arguments)
+    # parallel calls allowed (the default): the reply still ends after the calls the model means to make (it
+    # wrote `</tool_call>\n`, and the grammar then masked the end: calls for other cities until max_tokens)
+    r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=[WEATHER], tool_choice="required", max_tokens=200)
+    assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens < 100
+    assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == ["Paris"]
     named = {"type": "function", "function": {"name": "get_time"}}
     r = client.chat.completions.create(model="any", messages=ask, tools=[WEATHER, TIME], tool_choice=named,
                                        max_tokens=128)
