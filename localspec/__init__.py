@@ -57,6 +57,11 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     from .model import check_gguf
 
     set_verbose(verbose)
+    for key, value in (("target", target), ("draft", draft)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise ModelError(f"{key}= must be a path to a GGUF file (str or Path), got {type(value).__name__}")
+    if pair is not None and not isinstance(pair, str):
+        raise ModelError(f"pair= must be a name from models.toml (a str), got {type(pair).__name__}")
     defaults, name = {}, None
     if target is None:
         if draft is not None:

@@ -496,10 +496,25 @@ class Engine:
 
     # -- prompts --
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise RequestError(f"tokenize takes text (a str), got {type(text).__name__}")
         return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.target.detokenize(tokens)
+        return self.target.detokenize(self._ids(tokens, "detokenize takes a list of token ids"))
+
+    def _ids(self, tokens, expected: str) -> list[int]:
+        """Token ids of the target's vocabulary, checked: llama.cpp aborts the process on an id outside it."""
+        try:  # integers, not bytes (whose items are ints) nor floats (int() would truncate)
+            if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+                raise TypeError
+            ids = [operator.index(t) for t in tokens]
+        except TypeError:
+            raise RequestError(f"{expected}, got {type(tokens).__name__}") from None
+        bad = next((t for t in ids if not 0 <= t < self.target.n_vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        return ids
 
     def single_token(self, text: str) -> int | None:
         """The id of the one token that spells `text` (a special tag such as <tool_call>), or None."""
@@ -540,21 +555,12 @@ class Engine:
                 raise RequestError("prompt is empty")
             tokens = self.tokenize(prompt)
         else:
-            try:  # token ids: integers, not bytes (whose items are ints) nor floats (int() would truncate)
-                if isinstance(prompt, (bytes, bytearray, memoryview)):
-                    raise TypeError
-                tokens = [operator.index(t) for t in prompt]
-            except TypeError:
-                raise RequestError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}"
-                                   ) from None
+            tokens = self._ids(prompt, "prompt must be text or a list of token ids")
         if not tokens:
             raise RequestError("prompt is empty")
         if len(tokens) > self.target.n_ctx:
             raise RequestError(f"prompt is {len(tokens)} tokens but n_ctx is {self.target.n_ctx}; "
                                "raise n_ctx (--n-ctx) or shorten the prompt")
-        bad = next((t for t in tokens if not 0 <= t < self.target.n_vocab), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary (0..{self.target.n_vocab - 1})")
         return tokens
 
     def calibration(self, *, force: bool = False):

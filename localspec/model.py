@@ -152,6 +152,8 @@ class ModelConfig:
                     ok = False
             if not ok:
                 raise ModelError(f"llama.cpp setting {key}={value!r} does not fit its C type ({ctype.__name__})")
+            if key == "n_batch" and value < 1:  # llama.cpp asserts (the process aborts) on 0
+                raise ModelError(f"llama.cpp setting n_batch must be at least 1, got {value}")
 
 
 def resolve_flash_attn(cfg: ModelConfig) -> str:

@@ -92,6 +92,8 @@ BAD = {
     "GGUF cut in its header": (["--target", "{bad}/header.gguf", "hi"], "GGUF header is truncated (6 bytes)"),
     "llama.cpp setting of the wrong type": (["--target", "{smol}", "--target-kwarg", "n_ubatch=-1", "hi"],
                                             "n_ubatch=-1 does not fit its C type"),
+    "n_batch 0 (llama.cpp aborted)": (["--target", "{smol}", "--target-kwarg", "n_batch=0", "hi"],
+                                      "n_batch must be at least 1"),
     "prediction not UTF-8": (["--target", "{smol}", "--prediction", "{bad}/latin1.txt", "hi"], "is not UTF-8 text"),
     "grammar not UTF-8": (["--target", "{smol}", "--grammar", "{bad}/latin1.txt", "hi"], "is not UTF-8 text"),
     "trace into a missing folder": (["--target", "{smol}", "--trace", "{bad}/no/such/dir/t.jsonl", "hi"],

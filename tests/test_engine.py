@@ -402,6 +402,15 @@ def test_close_waits_for_a_token_piece_being_read_in_another_thread(smol_path, m
      "message 0: content must be a string or a list of text parts"),
     (lambda llm: llm.create_chat_completion([{"role": "assistant", "tool_calls": [{"id": "x"}]}]),
      "message 0: tool_calls must be a list of"),
+    # llama.cpp aborted the process on an id outside the vocabulary; these were AttributeError / ctypes errors
+    (lambda llm: llm.detokenize([llm.target.n_vocab]), "token id 49152 is outside the vocabulary"),
+    (lambda llm: llm.detokenize([-1]), "token id -1 is outside the vocabulary"),
+    (lambda llm: llm.detokenize("abc"), "detokenize takes a list of token ids, got str"),
+    (lambda llm: llm.detokenize([1.5]), "detokenize takes a list of token ids, got list"),
+    (lambda llm: llm.tokenize(5), "tokenize takes text"),
+    (lambda llm: llm.tokenize(b"x"), "tokenize takes text"),
+    (lambda llm: localspec.load(target=5), "target= must be a path to a GGUF file"),
+    (lambda llm: localspec.load(pair=["x"]), "pair= must be a name"),
 ])
 def test_odd_arguments_are_request_errors_naming_them(smol_engine, call, message):
     with pytest.raises(localspec.LocalspecError, match=message):
