@@ -25,7 +25,7 @@ from pathlib import Path
 import llama_cpp as L
 import numpy as np
 
-from .model import Model, ModelConfig, ModelError
+from .model import Cancelled, Model, ModelConfig, ModelError
 from .sampling import SamplingParams, dist
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)  # verify batch sizes; costs in between are interpolated
@@ -171,21 +171,36 @@ def plan(n_ctx: int, n_batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return depths, sizes
 
 
-def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None) -> Costs:
+def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None, stop=None) -> Costs:
     """Time verify batches on the target and single-token decodes on the draft (both caches end empty).
 
     Sizes are interleaved across `reps` passes and each keeps its fastest time, so a burst of other work on
     the machine inflates one sample, not the curve; each curve is then made non-decreasing. A batch of 1 is
     timed as plain decoding runs, in a row (_time_plain); the batches a verify sends, after other sizes.
+    stop: checked between measurements; when it returns True, Cancelled is raised (the engine is closing).
     """
+    try:
+        return _measure(target, draft, reps, log, stop or (lambda: False))
+    finally:
+        for m in (target, draft):
+            if m is not None:
+                m.truncate(0)
+
+
+def _measure(target: Model, draft: Model | None, reps: int, log, stop) -> Costs:
+    def check():
+        if stop():
+            raise Cancelled("calibration stopped")
+
     depths, sizes = plan(target.n_ctx, target.n_batch)
     verify, drafts, fills = [], [], []
     for depth in depths:
-        target.sync(_fill(target, depth))
+        target.sync(_fill(target, depth), cancel=stop)
         _time_decode(target, sizes[-1])  # warm-up
         best = np.full(len(sizes), np.inf)
         for rep in range(reps):
             for i, n in enumerate(sizes):
+                check()
                 best[i] = min(best[i], _time_plain(target) if n == 1 else _time_decode(target, n))
         verify.append(tuple(np.maximum.accumulate(best).tolist()))
         if log:
@@ -193,7 +208,8 @@ def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None) -> C
             log(f"verify at {depth} cached tokens, {sizes[0]}/{sizes[mid]}/{sizes[-1]} tokens: "
                 f"{best[0] * 1e3:.1f}/{best[mid] * 1e3:.1f}/{best[-1] * 1e3:.1f} ms")
         if draft is not None:
-            draft.sync(_fill(draft, min(depth, draft.n_ctx - 2)))
+            check()
+            draft.sync(_fill(draft, min(depth, draft.n_ctx - 2)), cancel=stop)
             _time_decode(draft, 1)
             drafts.append(min(_time_decode(draft, 1) for _ in range(2 * reps)))
             base = len(draft.tokens)
@@ -212,9 +228,6 @@ def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None) -> C
         t = time.perf_counter()
         dist(row, params)
         times.append(time.perf_counter() - t)
-    for m in (target, draft):
-        if m is not None:
-            m.truncate(0)
     return Costs(sizes, depths, tuple(verify), tuple(drafts) if draft is not None else None,
                  float(np.median(times)), tuple(fills) if draft is not None else None)
 
@@ -241,8 +254,10 @@ def _write(path: Path, data: dict) -> None:
               "again next time (set LOCALSPEC_HOME to a writable folder)", file=sys.stderr)
 
 
-def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, force: bool = False) -> Costs:
-    """The cached costs for this machine and these models, measuring them (with progress) the first time."""
+def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, force: bool = False,
+                    stop=None) -> Costs:
+    """The cached costs for this machine and these models, measuring them (with progress) the first time.
+    stop: as measure() takes it."""
     path = cache_dir / f"{cache_key(target, draft)}.json"
     data = None if force else _read(path)
     if data is not None:
@@ -252,7 +267,7 @@ def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, forc
             pass
     print(f"localspec: measuring speculation costs on this machine for {target.path.name} "
           "(once; half a minute to a few minutes, by the CPU)", file=sys.stderr, flush=True)
-    costs = measure(target, draft, log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    costs = measure(target, draft, log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True), stop=stop)
     _write(path, asdict(costs))
     return costs
 

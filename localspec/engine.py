@@ -25,7 +25,7 @@ from .drafters import (EMPTY, AutoDrafter, Draft, Drafter, GrammarDrafter, Hybri
                        NoDrafter, Plan, Prediction, vocab_kinds)
 from .errors import LocalspecError
 from .grammar import Grammar, Unconstrained, compile_spec
-from .model import Cancelled, Model
+from .model import Cancelled, Model, ModelError
 from .sampling import SamplingParams, dist, penalize, position_rng
 from .text import TextStream
 
@@ -284,7 +284,8 @@ class Stats:
 
 
 class Stream:
-    """Iterate for Events; after the last one, `stats` and `finish_reason` are set."""
+    """Iterate for Events; after the last one, `stats` and `finish_reason` are set. `close()` (or leaving a
+    `with` block) ends it early, as finish_reason 'cancelled'."""
 
     def __init__(self, facts: Iterator, piece, *, stop: Sequence[str], drafter: str, rule: str, k: int,
                  prompt_tokens: int, seed: int = 0, notes: Sequence[str] = (),
@@ -295,18 +296,36 @@ class Stream:
                           prompt_tokens=prompt_tokens, seed=seed, notes=tuple(notes))
         self.stats: Stats | None = None
         self.finish_reason: str | None = None
-        self._read = False
+        self._events: Iterator[Event] | None = None
+        self._closing = False
 
     def __iter__(self) -> Iterator[Event]:
-        if self._read:  # read once: a second pass yields nothing and leaves the stats as they are
-            return
-        self._read = True
+        if self._events is not None:  # read once: a second pass yields nothing and leaves the stats as they are
+            return iter(())
+        self._events = self._run()
+        return self._events
+
+    def close(self) -> None:
+        """End the stream now: finish_reason 'cancelled' (unless it had ended), stats counting what it produced."""
+        if self._events is None:  # never read: run it just far enough to settle its stats
+            self._closing = True
+            self._events = self._run()
+            next(self._events, None)
+        self._events.close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _run(self) -> Iterator[Event]:
         pre, rounds, drafting, drafted, acc, at, t_d, t_v, n = None, 0, 0, 0, 0, [], 0.0, 0.0, 0
         forced, predicted = [0, 0], [0, 0]
         reason, held = "cancelled", None  # until the loop says why it ended: a consumer that closes early cancels
         t_gen = time.perf_counter()
         try:
-            for f in self._facts:
+            for f in () if self._closing else self._facts:
                 if type(f) is Token:
                     if held is not None:
                         yield held
@@ -493,6 +512,7 @@ class Engine:
         self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
         self._costs = None
         self._lock = threading.RLock()
+        self._closing = threading.Event()  # close() asks the stream in progress to stop at its next check
 
     # -- prompts --
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -570,7 +590,11 @@ class Engine:
             from .registry import home
 
             with self._lock:
-                self._costs = load_or_measure(self.target, self.draft, home() / "calibration", force=force)
+                try:
+                    self._costs = load_or_measure(self.target, self.draft, home() / "calibration", force=force,
+                                                  stop=self._closing.is_set)
+                except Cancelled:  # close() was called meanwhile: nothing was kept, it is measured next time
+                    raise ModelError(f"{self.name} was closed while measuring its costs") from None
         return self._costs
 
     def token_kinds(self):
@@ -654,6 +678,10 @@ class Engine:
         for name, f in (("cancel", cancel), ("trace", trace)):
             if f is not None and not callable(f):
                 raise RequestError(f"{name} must be a callable (or None), got {type(f).__name__}")
+        if self._closing.is_set():
+            raise ModelError(f"{self.name} is closed: load the models again to generate")
+        asked, closing = cancel, self._closing.is_set
+        cancel = (lambda: closing() or asked()) if asked is not None else closing  # noqa: E731
         req = make_request(**(self.defaults | {k: v for k, v in options.items() if v is not None}))
         tokens = self._prompt_tokens(prompt)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
@@ -713,8 +741,10 @@ class Engine:
         return chat_completion(self.name, s, fmt, tools, self.target.piece)
 
     def close(self) -> None:
-        """Free both models (after the round in progress, if another thread is generating). A closed engine,
-        and a stream still open on it, raise ModelError instead of touching freed memory."""
+        """Free both models (after the round or prefill chunk in progress, if another thread is generating: its
+        stream ends 'cancelled'). A closed engine, and a stream still open on it, raise ModelError instead of
+        touching freed memory."""
+        self._closing.set()
         with self._lock:
             for m in (self.target, self.draft):
                 if m is not None:

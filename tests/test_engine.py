@@ -322,14 +322,15 @@ def test_segments_keep_every_spelling_apart_through_tojson_and_repeats():
 
 def test_a_closed_engine_and_its_open_streams_raise_instead_of_touching_freed_memory(smol_path):
     llm = localspec.load(target=smol_path, draft=smol_path, n_ctx=512)
-    it = iter(llm.stream("1, 2, 3,", max_tokens=50, temperature=0))
-    under_grammar = iter(llm.stream("A person:", max_tokens=50, temperature=0, json_schema={
-        "type": "object", "properties": {"name": {"type": "string"}}}))  # drafts through llguidance's tokenizer
-    next(it), next(under_grammar), next(under_grammar)
+    plain = llm.stream("1, 2, 3,", max_tokens=50, temperature=0)
+    under_grammar = llm.stream("A person:", max_tokens=50, temperature=0, json_schema={
+        "type": "object", "properties": {"name": {"type": "string"}}})  # drafts through llguidance's tokenizer
+    it, ig = iter(plain), iter(under_grammar)
+    next(it), next(ig), next(ig)
     llm.close()
-    for stream in (it, under_grammar):
-        with pytest.raises(ModelError, match="is closed"):
-            next(stream)  # the loop's cleanup ran too, on no cache: no crash
+    for stream, events in ((plain, it), (under_grammar, ig)):
+        rest = list(events)  # the loop's cleanup ran too, on no cache: no crash
+        assert stream.finish_reason == "cancelled" and stream.stats.generated == 1 + (stream is under_grammar) + len(rest)
     for call in (lambda: llm.generate("hi"), lambda: llm.tokenize("hi"),
                  lambda: llm.create_chat_completion([{"role": "user", "content": "hi"}])):
         with pytest.raises(ModelError, match="is closed"):
@@ -337,21 +338,34 @@ def test_a_closed_engine_and_its_open_streams_raise_instead_of_touching_freed_me
     llm.close()  # twice is harmless
 
     llm = localspec.load(target=smol_path, draft=smol_path, n_ctx=512)
-    errors = []
-
-    def generate():
-        try:
-            llm.generate("1, 2, 3, 4,", max_tokens=400, temperature=0, drafter="none")
-        except ModelError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=generate)
+    results = []
+    t = threading.Thread(target=lambda: results.append(
+        llm.generate("1, 2, 3, 4,", max_tokens=400, temperature=0, drafter="none")))
     t.start()
     while not llm.target.tokens:  # generating
         pass
-    llm.close()  # waits for the round in progress, then the other thread's next round raises
+    llm.close()  # waits for the round in progress, which ends the other thread's request
     t.join()
-    assert len(errors) == 1 and "is closed" in str(errors[0])
+    assert results[0].finish_reason == "cancelled" and 0 < results[0].stats.generated < 400
+
+
+def test_close_does_not_wait_out_a_long_prefill(smol_path):
+    """close() waited for a whole prefill in another thread (12 s for 2,000 tokens of SmolLM2; minutes for a
+    1.5B model on a laptop): it now stops it at the next chunk, and that request ends 'cancelled'."""
+    llm = localspec.load(target=smol_path, n_ctx=8192)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 40000, 6000)]
+    results = []
+    t = threading.Thread(target=lambda: results.append(llm.generate(prompt, max_tokens=5, temperature=0,
+                                                                     drafter="none")))
+    t.start()
+    while not llm.target.tokens:  # prefilling: the first chunk is in
+        time.sleep(0.001)
+    t0 = time.perf_counter()
+    llm.close()
+    waited = time.perf_counter() - t0
+    t.join()
+    assert results[0].finish_reason == "cancelled" and results[0].stats.generated == 0
+    assert waited < 5, waited  # a chunk or two (128 tokens each), not the 6,000-token prefill
 
 
 def test_close_waits_for_a_token_piece_being_read_in_another_thread(smol_path, monkeypatch):
@@ -456,3 +470,49 @@ def test_a_stream_closed_early_is_cancelled_not_stopped(smol_engine):
     next(it), next(it)
     it.close()
     assert s.finish_reason == "cancelled" and s.stats.generated == 2 and s.stats.finish_reason == "cancelled"
+
+
+def test_a_stream_has_close_and_with(smol_engine):
+    """The README said close() and a `with` block end a stream; Stream had neither (AttributeError, TypeError)."""
+    s = smol_engine.stream("Once upon a time", max_tokens=50, temperature=0, drafter="none")
+    for i, _ in enumerate(s):
+        if i == 2:
+            s.close()
+            break
+    assert s.finish_reason == "cancelled" and s.stats.generated == 3
+    with smol_engine.stream("Once upon a time", max_tokens=50, temperature=0, drafter="none") as s:
+        next(iter(s))
+    assert s.finish_reason == "cancelled" and s.stats.generated == 1
+    s = smol_engine.stream("Once upon a time", max_tokens=50, temperature=0, drafter="none")
+    s.close()  # never read
+    assert s.finish_reason == "cancelled" and s.stats.generated == 0 and list(s) == []
+    s.close()  # twice: nothing more happens
+    whole = smol_engine.stream("Once upon a time", max_tokens=5, temperature=0, drafter="none")
+    with whole:
+        assert len(list(whole)) == 5
+    assert whole.finish_reason == "length"  # closing an ended stream leaves its end as it was
+    assert smol_engine.generate("Once upon a time", max_tokens=5, temperature=0, drafter="none").text == \
+        "".join(e.text for e in smol_engine.stream("Once upon a time", max_tokens=5, temperature=0, drafter="none"))
+
+
+def test_close_stops_a_first_calibration_and_keeps_nothing(smol_path, tmp_path, monkeypatch):
+    """The first request with auto measures this machine's costs (half a minute to minutes): close() waited
+    for all of it. It now stops it; nothing half-measured is kept, and the request says the engine closed."""
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    llm = localspec.load(target=smol_path, n_ctx=2048)
+    errors = []
+
+    def first_request():
+        try:
+            llm.generate("hi", max_tokens=5, drafter="auto")
+        except ModelError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=first_request)
+    t.start()
+    while not llm.target.tokens:  # measuring
+        time.sleep(0.001)
+    llm.close()
+    t.join()
+    assert len(errors) == 1 and "closed while measuring its costs" in str(errors[0])
+    assert not list((tmp_path / "calibration").glob("*.json"))
