@@ -48,7 +48,9 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     equals plain greedy output token for token (and a reused prefix gives the same logits as a fresh
     prefill): no CPU weight repacking, 32-token physical batches, and the flash-attention setting that a
     probe on this machine finds batch-invariant (cached); refused with the measured difference and the fix
-    when no setting is. Plain decode is ~25% slower.
+    when no setting is. Plain decode is ~25% slower. The draft model is made exact the same way (so a
+    seeded request at T > 0 drafts the same whatever else the engine ran), or said on stderr where it
+    cannot be.
     target_kwargs/draft_kwargs: any other llama_model_params / llama_context_params field by name.
     memory_check: refuse to load, saying what to lower, when the models clearly cannot fit in memory.
     verbose: show llama.cpp's own log output and the memory estimate.
@@ -89,7 +91,6 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
         own = re.sub(r"(\w+) \(--([\w-]+)\)$", r"\1_draft (--\2-draft)", str(e))  # its own option: the draft's
         raise ModelError(f"{setting.group(1)}_draft{str(e)[len(setting.group(1)):]}" if setting else
                          f"draft_kwargs: {own}") from None
-    # Only the target's logits decide the output; the draft model needs no exactness (and stays fast).
     est = memory.estimate(check_gguf(target), check_gguf(draft) if draft is not None else None, tcfg.n_ctx,
                           type_k=type_k, type_v=type_v, n_ctx_draft=dcfg.n_ctx if draft is not None else None,
                           type_k_draft=dcfg.type_k, type_v_draft=dcfg.type_v)
@@ -100,9 +101,20 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     if exact:
         from .calibrate import exact_flash_attn
 
-        tcfg = replace(tcfg, flash_attn=exact_flash_attn(
-            check_gguf(target), tcfg, registry.home() / "calibration",
-            log=lambda m: print(f"localspec: {m}", file=sys.stderr, flush=True)))
+        say = lambda m: print(f"localspec: {m}", file=sys.stderr, flush=True)  # noqa: E731
+        tcfg = replace(tcfg, flash_attn=exact_flash_attn(check_gguf(target), tcfg, registry.home() / "calibration",
+                                                         log=say))
+        if draft is not None:
+            # The target's logits decide greedy output, but at T > 0 the draft's q decides the acceptance draws:
+            # a draft cache rebuilt in other batches (another stream, a reused prefix) gave another text.
+            dcfg = replace(dcfg, exact=True)
+            try:
+                dcfg = replace(dcfg, flash_attn=exact_flash_attn(check_gguf(draft), dcfg,
+                                                                 registry.home() / "calibration", log=say))
+            except ModelError as e:
+                dcfg = replace(dcfg, exact=False)
+                say(f"the draft model runs without exactness (at temperature > 0 its text may then depend on "
+                    f"what else the engine ran): {str(e).split(';')[0]}")
     t = Model(target, tcfg)
     d = None
     try:

@@ -88,6 +88,20 @@ def test_interleaved_streams_on_one_engine_each_get_their_own_output(smol_engine
     assert got_a == solo_a and got_b == solo_b
 
 
+def test_interleaved_seeded_streams_with_the_draft_model_get_their_own_output(smol_engine):
+    """At T > 0 the draft's q decides acceptance draws: a draft cache rebuilt after another stream (other batch
+    shapes) gave other q bits and another text, though exact mode promises each stream the text it gets alone."""
+    o = dict(max_tokens=24, temperature=0.8, seed=5, drafter="model", p_min=0)
+    a, b = smol_engine.chat_tokens(MESSAGES), smol_engine.chat_tokens(STORY)
+    solo_a, solo_b = smol_engine.generate(a, **o).tokens, smol_engine.generate(b, **(o | {"seed": 6})).tokens
+    sa, sb = smol_engine.stream(a, **o), smol_engine.stream(b, **(o | {"seed": 6}))
+    got_a, got_b = [], []
+    for ea, eb in zip(sa, sb):
+        got_a.append(ea.token)
+        got_b.append(eb.token)
+    assert got_a == solo_a and got_b == solo_b
+
+
 def test_threads_sharing_one_engine_each_get_their_own_output(smol_engine):
     prompts = [smol_engine.chat_tokens(m) for m in (MESSAGES, STORY)] * 2
     solo = [smol_engine.generate(p, max_tokens=24, temperature=0).tokens for p in prompts]

@@ -239,3 +239,22 @@ def test_auto_reads_each_tokens_kind_from_the_targets_vocabulary(smol_engine, mo
     monkeypatch.setattr(engine, "AutoDrafter", lambda *a, **kw: seen.append(kw["kinds"]) or AutoDrafter(*a, **kw))
     smol_engine.generate("Once upon a time", max_tokens=4, drafter="auto")
     assert seen and seen[0] is kinds
+
+
+def test_exact_mode_makes_the_draft_exact_or_says_why_not(smol_path, monkeypatch, capfd):
+    with localspec.load(target=smol_path, draft=smol_path, n_ctx=512, exact=True) as llm:
+        assert llm.target.cfg.exact and llm.draft.cfg.exact
+    import localspec.calibrate as cal
+    real = cal.exact_flash_attn
+
+    def draft_cannot(path, cfg, cache_dir, **kw):
+        if getattr(draft_cannot, "called", False):
+            raise localspec.ModelError("exact mode cannot be honoured on this machine: they differ; rebuild")
+        draft_cannot.called = True
+        return real(path, cfg, cache_dir, **kw)
+
+    monkeypatch.setattr(cal, "exact_flash_attn", draft_cannot)
+    with localspec.load(target=smol_path, draft=smol_path, n_ctx=512, exact=True) as llm:
+        assert llm.target.cfg.exact and not llm.draft.cfg.exact
+        assert llm.generate("Hi", max_tokens=4, drafter="model").stats.generated == 4
+    assert "the draft model runs without exactness" in capfd.readouterr().err
