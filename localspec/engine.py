@@ -10,6 +10,7 @@ and folds them into Stats. Everything else (generate, chat, CLI, server, bench) 
 from __future__ import annotations
 
 import contextlib
+import numbers
 import operator
 import secrets
 import threading
@@ -434,8 +435,10 @@ class Request:
     def __post_init__(self) -> None:
         for name in ("max_tokens", "seed", "k", "logprobs"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
                 raise RequestError(f"{name} must be an integer, got {v!r}")
+            if v is not None and type(v) is not int:  # numpy's integers too, held as Python's
+                object.__setattr__(self, name, int(v))
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:

@@ -11,6 +11,7 @@ so target and draft rows of different vocabulary widths mix without padding.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -40,8 +41,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int if f.type == "int" else (int, float)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral if f.type == "int" else numbers.Real):
                 raise SamplingError(f"{f.name}={v!r} must be {'an integer' if f.type == 'int' else 'a number'}")
+            if type(v) is not (int if f.type == "int" else float):  # numpy's numbers too, held as Python's
+                v = int(v) if f.type == "int" else float(v)
+                object.__setattr__(self, f.name, v)
             if f.type == "float" and not -1e9 < v < 1e9:  # also NaN and infinities, and ints too big for a float
                 raise SamplingError(f"{f.name}={v!r} is out of range: it must be a finite number")
         checks = (

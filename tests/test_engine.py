@@ -530,3 +530,12 @@ def test_close_stops_a_first_calibration_and_keeps_nothing(smol_path, tmp_path, 
     t.join()
     assert len(errors) == 1 and "closed while measuring its costs" in str(errors[0])
     assert not list((tmp_path / "calibration").glob("*.json"))
+
+
+def test_numpy_numbers_are_numbers(smol_engine):
+    """max_tokens=np.int64(3) was refused ('must be an integer'), though numpy token ids were accepted."""
+    r = smol_engine.generate("Hi", max_tokens=np.int64(3), temperature=np.float32(0.5), seed=np.uint32(7),
+                             top_k=np.int32(40))
+    assert r.stats.generated == 3 and r.stats.seed == 7 and type(r.stats.seed) is int
+    with pytest.raises(RequestError, match="max_tokens must be an integer"):
+        smol_engine.generate("Hi", max_tokens=np.float64(3))
