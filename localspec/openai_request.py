@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .engine import make_request
 from .errors import LocalspecError
-from .grammar import GrammarError
+from .grammar import GrammarError, compile_spec
 from .tools import _NAME, ToolError, ToolFormat, check_choice, check_tools, detect
 
 
@@ -226,6 +226,13 @@ def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, respon
         choice = check_choice(tool_choice, tools)
     except ToolError as e:
         raise ApiError(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
+    for i, t in enumerate(tools):  # each schema on its own: an error names its tool, not the call grammar
+        try:
+            compile_spec(json_schema=t["function"].get("parameters") or {"type": "object"})
+        except GrammarError as e:
+            where = f"tools[{i}].function.parameters"
+            raise ApiError(f"{where} ({t['function']['name']}): {str(e).removeprefix('json_schema ')}",
+                           param=where) from None
     if choice == "none":
         return options, names, tools, None  # offered, never called: the output is free text
     if options:
@@ -235,7 +242,8 @@ def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, respon
         fmt = detect(template)
     except ToolError as e:
         raise ApiError(str(e), param="tools") from None
-    options["grammar"] = fmt.grammar(tools, choice, parallel_tool_calls is not False, token_of)
+    fmt = replace(fmt, parallel=parallel_tool_calls is not False)
+    options["grammar"] = fmt.grammar(tools, choice, fmt.parallel, token_of)
     names["grammar"] = "tools"
     return options, names, tools, fmt
 

@@ -45,6 +45,7 @@ class ToolFormat:
     # Qwen2.5-Coder writes ```json {"name": ..., "arguments": ...} ``` rather than <tool_call> (llama.cpp's
     # Hermes handler accepts it too). Only a fence whose JSON starts with a tool's name counts as a call.
     fence: tuple[str, str] | None = None
+    parallel: bool = True  # a request's parallel_tool_calls (structured() sets it): false parses one call at most
 
     def grammar(self, tools: list[dict], choice: str, parallel: bool, token_of) -> str | None:
         """The Lark grammar for a request's calls; None when output is free (tool_choice none).
@@ -66,12 +67,16 @@ class ToolFormat:
         rules = [f"tagged: TEXT {tag(self.open)} {body}"]
         kinds = ["tagged"]
         if self.fence is not None:
+            # a fence is constrained only once the model has itself written a tool's whole name as the JSON's
+            # first value: triggered by `{"name": "` alone, any fenced JSON with a "name" key (a package.json,
+            # an example record) was forced into a call to some tool
             fo, fc = self.fence
-            named = " | ".join(f'{json.dumps(t["function"]["name"] + chr(34))} /\\s*,\\s*"arguments"\\s*:\\s*/ '
-                               f'%json {json.dumps(_params(t) | {"x-guidance": self.json_style})}' for t in chosen)
-            rules += [f'fence_open[lazy]: TEXT /{_re(fo)}\\s*\\{{\\s*"name"\\s*:\\s*"/',
-                      f"fenced: fence_open ({named}) /\\s*\\}}\\s*{_re(fc)}/"]
-            kinds.append("fenced")
+            for i, t in enumerate(chosen):
+                name = json.dumps(t["function"]["name"])
+                rules += [f'fence_open{i}[lazy]: TEXT /{_re(fo)}\\s*\\{{\\s*"name"\\s*:\\s*{_re(name)}/',
+                          f'fenced{i}: fence_open{i} /\\s*,\\s*"arguments"\\s*:\\s*/ '
+                          f'%json {json.dumps(_params(t) | {"x-guidance": self.json_style})} /\\s*\\}}\\s*{_re(fc)}/']
+                kinds.append(f"fenced{i}")
         start = f"start: ({' | '.join(kinds)}){'*' if parallel else '?'} TEXT"
         return "\n".join([start, *rules, "TEXT: /(.|\\n)*/"]) + "\n"
 
@@ -85,11 +90,20 @@ class ToolFormat:
         return f'({" | ".join(alts)}) "}}"'
 
     def parser(self, tools: list[dict] | None = None) -> "CallParser":
-        return CallParser(self, {t["function"]["name"] for t in tools or ()})
+        return CallParser(self, {t["function"]["name"] for t in tools or ()}, self.parallel)
+
+
+# keywords that say which keys an object may hold besides `properties`: where a schema has none of them, the
+# arguments hold only its declared keys (as OpenAI's strict mode and llama.cpp's converter have it)
+_KEYS_SAID = {"additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "allOf", "anyOf",
+              "oneOf", "if", "dependentSchemas", "propertyNames"}
 
 
 def _params(tool: dict) -> dict:
-    return tool["function"].get("parameters") or {"type": "object"}
+    """A function's parameters as the call's arguments are constrained: a JSON Schema that accepts no key it
+    does not declare (a tool without parameters is called with {}), unless it says otherwise."""
+    params = tool["function"].get("parameters") or {"type": "object"}
+    return params if _KEYS_SAID & params.keys() else params | {"additionalProperties": False}
 
 
 def _re(text: str) -> str:
@@ -194,12 +208,15 @@ class CallParser:
     """Output text -> content and tool calls, incrementally: feed() returns what can be shown now.
 
     Text that may be the start of an opening tag is held back until it is known; a call is returned once its
-    closing tag arrives. A fenced JSON block is a call only when it names one of the tools. At the end, a fenced
-    block left open comes back as content; a tagged call left open (cut short) is dropped.
+    closing tag arrives. A fenced JSON block is a call only when it names one of the tools, and only the first
+    call counts when parallel calls are off (a later fence is free text there, unconstrained: content). At the
+    end, a fenced block left open comes back as content; a tagged call left open (cut short) is dropped.
+    Whitespace after a call is held until text follows it: the line break a template writes after a call is
+    not content.
     """
 
-    def __init__(self, fmt: ToolFormat, names: set[str]):
-        self.names = names
+    def __init__(self, fmt: ToolFormat, names: set[str], parallel: bool = True):
+        self.names, self.parallel = names, parallel
         self.tags = [(fmt.open, fmt.close)] + ([fmt.fence] if fmt.fence else [])
         self._buf, self._open = "", None  # text not yet returned; the tag pair of the call being read
         self.calls: list[ToolCall] = []
@@ -213,6 +230,8 @@ class CallParser:
                 if not hits:
                     keep = max((n for o, _ in self.tags for n in range(1, len(o)) if self._buf.endswith(o[:n])),
                                default=0)
+                    if self.calls and not self._buf[:len(self._buf) - keep].strip():
+                        return out  # only whitespace since the last call: held
                     if len(self._buf) > keep:
                         out.append(self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
@@ -226,8 +245,8 @@ class CallParser:
             if j < 0:
                 return out
             raw = self._buf[:j + len(closing)]
-            call = self._call(self._buf[len(opening):j])
-            if call is None:  # not a call after all: show it as the model wrote it
+            call = self._call(self._buf[len(opening):j]) if self.parallel or not self.calls else None
+            if call is None:  # not a call after all (or one too many): show it as the model wrote it
                 out.append(raw)
             else:
                 self.calls.append(call)
@@ -237,7 +256,7 @@ class CallParser:
     def finish(self) -> str:
         """What is left at the end, as content; a tagged call left open (the reply was cut short) is markup, not
         content, and is dropped (a fenced block left open is shown: it may be a code block for the reader)."""
-        rest = "" if self._open == self.tags[0] else self._buf
+        rest = "" if self._open == self.tags[0] or (self.calls and not self._buf.strip()) else self._buf
         self._buf, self._open = "", None
         return rest
 

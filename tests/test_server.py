@@ -800,14 +800,23 @@ def test_tool_parameters_with_defs_and_refs_constrain_the_call(smol_engine):
         "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"],
         "$defs": {"A": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}}}
     tools = check_tools([save, {"type": "function", "function": {"name": "ping"}}])
-    for choice, body, ok in [("required", '{"name": "save", "arguments": {"a": {"x": "y"}}}', True),
+    fence = "```json\n{}\n```"
+    for choice, text, ok in [("required", '{"name": "save", "arguments": {"a": {"x": "y"}}}', True),
                              ("required", '{"name": "ping", "arguments": {}}', True),
                              ("required", '{"name": "save", "arguments": {"a": {"z": 1}}}', False),
-                             ("save", '{"name": "ping", "arguments": {}}', False)]:
+                             ("save", '{"name": "ping", "arguments": {}}', False),
+                             # undeclared arguments: a tool without parameters got made-up ones
+                             ("required", '{"name": "ping", "arguments": {"dir": "."}}', False),
+                             ("required", '{"name": "save", "arguments": {"a": {"x": "y"}, "b": 2}}', False),
+                             # auto: a fenced JSON naming no tool is free text (a package.json was forced into a
+                             # call), one naming a tool is a call, constrained
+                             ("auto", "Here:\n" + fence.format('{"name": "demo", "version": "1.0.0"}'), True),
+                             ("auto", fence.format('{"name": "save", "arguments": {"a": {"x": "y"}}}'), True),
+                             ("auto", fence.format('{"name": "save", "arguments": {"a": {"z": 1}}}'), False)]:
         g = Grammar(smol_engine.target, compile_spec(grammar=HERMES.grammar(tools, choice, True, lambda t: None)))
-        tokens = smol_engine.target.tokenize(f"<tool_call>\n{body}\n</tool_call>", add_special=False,
-                                             parse_special=False)
-        assert (g.validate(tokens) == len(tokens)) == ok, (choice, body)
+        text = text if choice == "auto" else f"<tool_call>\n{text}\n</tool_call>"
+        tokens = smol_engine.target.tokenize(text, add_special=False, parse_special=False)
+        assert (g.validate(tokens) == len(tokens)) == ok, (choice, text)
     with pytest.raises(ToolError, match="parameters must be a JSON Schema of an object"):
         check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
 
@@ -824,6 +833,39 @@ def test_tool_call_parser_leaves_odd_json_as_text():
         assert "".join(o for o in out if isinstance(o, str)) == text and not p.calls
     p = CallParser(fmt, {"f"})
     assert [o.name for o in p.feed(f'{fmt.open}{{"name": "f", "arguments": {{"x": 1}}}}{fmt.close}')] == ["f"]
+
+
+def test_tool_call_parser_takes_one_call_without_parallel_calls_and_no_trailing_whitespace():
+    """parallel_tool_calls false left a second fenced block (free text there, unconstrained) parsed as a call;
+    a stream sent the line break after a call as a content delta."""
+    from dataclasses import replace
+
+    from localspec.tools import HERMES
+
+    call = '```json\n{"name": "f", "arguments": {"x": 1}}\n```'
+    p = replace(HERMES, parallel=False).parser([{"function": {"name": "f"}}])
+    out = p.feed(call + "\n" + call) + [p.finish()]
+    assert len(p.calls) == 1 and "".join(o for o in out if isinstance(o, str)) == call
+    p = HERMES.parser([{"function": {"name": "f"}}])
+    tagged = f'{HERMES.open}\n{{"name": "f", "arguments": {{}}}}\n{HERMES.close}'
+    assert [type(o).__name__ for o in p.feed(tagged)] == ["ToolCall"]
+    assert p.feed("\n") == [] and p.feed(" ") == [] and p.finish() == ""   # held, then dropped
+    p = HERMES.parser([{"function": {"name": "f"}}])
+    assert p.feed(tagged)[1:] == [] and p.feed("\nDone.") == ["\nDone."]   # held until text follows
+
+
+def test_a_bad_tool_schema_names_its_tool():
+    """The 400 named only "tools" and dumped the whole call grammar, other tools' schemas included."""
+    from localspec.openai_request import ApiError, structured
+
+    good = {"type": "function", "function": {"name": "g"}}
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strnig"}}}}}
+    for choice in ("auto", "none"):
+        with pytest.raises(ApiError) as e:
+            structured(tools=[good, bad], tool_choice=choice, template="<tool_call>")
+        assert e.value.param == "tools[1].function.parameters" and "(f)" in str(e.value)
+        assert "tagged" not in str(e.value) and len(str(e.value)) < 400
 
 
 def test_a_reply_cut_short_inside_a_call_says_length_and_shows_no_markup():
