@@ -456,8 +456,9 @@ class Request:
             raise RequestError(f"accept must be one of {', '.join(defaults.RULES)}, got {self.accept!r}")
         for name in ("p_min", "threshold"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v <= 1.0:
                 raise RequestError(f"{name} must be in [0, 1], got {v!r}")
+            object.__setattr__(self, name, float(v))
         if not all(isinstance(x, str) for x in self.stop):
             raise RequestError("stop must be a string or a list of strings")
         if not isinstance(self.json_object, bool):

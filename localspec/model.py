@@ -490,11 +490,13 @@ class Model:
         self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list
         rest = tokens[keep:]
         if cancel is not None:
-            while len(rest) > PREFILL_CHUNK:
+            # offloaded to a GPU, whole batches (a GPU wants them big, and gets through them fast)
+            chunk = PREFILL_CHUNK if self.cfg.n_gpu_layers == 0 else max(PREFILL_CHUNK, self.n_batch)
+            while len(rest) > chunk:
                 if cancel():
                     raise Cancelled("cancelled during the prefill")
-                self.decode(rest[:PREFILL_CHUNK], logits="none")
-                rest = rest[PREFILL_CHUNK:]
+                self.decode(rest[:chunk], logits="none")
+                rest = rest[chunk:]
             if cancel():
                 raise Cancelled("cancelled during the prefill")
         return keep, self.decode(rest, logits="last" if logits else "none")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from .engine import make_request
 from .errors import LocalspecError
 from .grammar import GrammarError, compile_spec
-from .tools import _NAME, ToolError, ToolFormat, check_choice, check_tools, detect
+from .tools import _NAME, ToolError, ToolFormat, _params, check_choice, check_tools, detect
 
 
 class ApiError(LocalspecError):
@@ -228,7 +228,7 @@ def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, respon
         raise ApiError(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
     for i, t in enumerate(tools):  # each schema on its own: an error names its tool, not the call grammar
         try:
-            compile_spec(json_schema=t["function"].get("parameters") or {"type": "object"})
+            compile_spec(json_schema=_params(t))  # as the call constrains them
         except GrammarError as e:
             where = f"tools[{i}].function.parameters"
             raise ApiError(f"{where} ({t['function']['name']}): {str(e).removeprefix('json_schema ')}",

@@ -43,11 +43,10 @@ class SamplingParams:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral if f.type == "int" else numbers.Real):
                 raise SamplingError(f"{f.name}={v!r} must be {'an integer' if f.type == 'int' else 'a number'}")
-            if type(v) is not (int if f.type == "int" else float):  # numpy's numbers too, held as Python's
-                v = int(v) if f.type == "int" else float(v)
-                object.__setattr__(self, f.name, v)
             if f.type == "float" and not -1e9 < v < 1e9:  # also NaN and infinities, and ints too big for a float
                 raise SamplingError(f"{f.name}={v!r} is out of range: it must be a finite number")
+            if type(v) is not (int if f.type == "int" else float):  # numpy's numbers too, held as Python's
+                object.__setattr__(self, f.name, int(v) if f.type == "int" else float(v))
         checks = (
             ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 disables it)"),

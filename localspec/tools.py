@@ -96,14 +96,19 @@ class ToolFormat:
 # keywords that say which keys an object may hold besides `properties`: where a schema has none of them, the
 # arguments hold only its declared keys (as OpenAI's strict mode and llama.cpp's converter have it)
 _KEYS_SAID = {"additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "allOf", "anyOf",
-              "oneOf", "if", "dependentSchemas", "propertyNames"}
+              "oneOf", "not", "if", "dependentSchemas", "dependencies", "propertyNames"}
 
 
 def _params(tool: dict) -> dict:
     """A function's parameters as the call's arguments are constrained: a JSON Schema that accepts no key it
-    does not declare (a tool without parameters is called with {}), unless it says otherwise."""
+    does not declare (a tool without parameters is called with {}), unless it says otherwise (or requires a key
+    it does not declare)."""
     params = tool["function"].get("parameters") or {"type": "object"}
-    return params if _KEYS_SAID & params.keys() else params | {"additionalProperties": False}
+    declared = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    required = params.get("required") if isinstance(params.get("required"), list) else []
+    if _KEYS_SAID & params.keys() or not set(required) <= declared.keys():
+        return params
+    return params | {"additionalProperties": False}
 
 
 def _re(text: str) -> str:
@@ -237,7 +242,7 @@ class CallParser:
                     self._buf = self._buf[len(self._buf) - keep:]
                     return out
                 i, self._open = min(hits, key=lambda h: h[0])
-                if i:
+                if i and (self._buf[:i].strip() or not self.calls):  # the line break between calls is not content
                     out.append(self._buf[:i])
                 self._buf = self._buf[i:]
             opening, closing = self._open

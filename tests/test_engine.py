@@ -539,3 +539,6 @@ def test_numpy_numbers_are_numbers(smol_engine):
     assert r.stats.generated == 3 and r.stats.seed == 7 and type(r.stats.seed) is int
     with pytest.raises(RequestError, match="max_tokens must be an integer"):
         smol_engine.generate("Hi", max_tokens=np.float64(3))
+    assert smol_engine.generate("Hi", max_tokens=2, drafter="model", p_min=np.float32(0.5)).stats.generated == 2
+    with pytest.raises(localspec.LocalspecError, match="temperature=.* is out of range"):
+        smol_engine.generate("Hi", max_tokens=2, temperature=10**400)  # an OverflowError in float()

@@ -852,6 +852,9 @@ def test_tool_call_parser_takes_one_call_without_parallel_calls_and_no_trailing_
     assert p.feed("\n") == [] and p.feed(" ") == [] and p.finish() == ""   # held, then dropped
     p = HERMES.parser([{"function": {"name": "f"}}])
     assert p.feed(tagged)[1:] == [] and p.feed("\nDone.") == ["\nDone."]   # held until text follows
+    p = HERMES.parser([{"function": {"name": "f"}}])                          # two calls, streamed token by token
+    parts = [o for piece in [tagged, "\n", HERMES.open, tagged[len(HERMES.open):], "\n"] for o in p.feed(piece)]
+    assert [type(o).__name__ for o in parts + [p.finish()]] == ["ToolCall", "ToolCall", "str"] and p.finish() == ""
 
 
 def test_a_bad_tool_schema_names_its_tool():
@@ -911,3 +914,16 @@ def test_token_pieces_read_from_two_threads_at_once_are_each_right(smol_engine):
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda _: [target.piece(t) for t in ids], range(4)))
     assert all(g == want for g in got)
+
+
+def test_tool_arguments_hold_declared_keys_unless_the_schema_says_otherwise():
+    from localspec.tools import _params
+
+    def f(parameters=None):
+        return _params({"function": {"name": "f"} | ({"parameters": parameters} if parameters is not None else {})})
+
+    assert f() == {"type": "object", "additionalProperties": False}
+    assert f({"type": "object", "properties": {"a": {}}})["additionalProperties"] is False
+    for says in ({"additionalProperties": True}, {"$ref": "#/$defs/A"}, {"anyOf": []}, {"patternProperties": {}},
+                 {"required": ["b"], "properties": {"a": {}}}):  # a required key it does not declare: left alone
+        assert "additionalProperties" not in f({"type": "object"} | says) or says.get("additionalProperties")
