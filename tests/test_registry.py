@@ -58,6 +58,12 @@ def localspec(env: dict, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
 
 
+def started_pull(env: dict) -> subprocess.Popen:
+    """`localspec pull` of SmolLM2 started in its own process, left running (to interrupt it, or race it)."""
+    return subprocess.Popen([sys.executable, "-m", "localspec.cli", "pull", SMOL], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
+
+
 def smol_snapshot(tmp_path: Path) -> Path:
     return (tmp_path / "hf" / "hub" / "models--QuantFactory--SmolLM2-135M-Instruct-GGUF" / "snapshots" / COMMIT
             / SMOL_SPEC.file)
@@ -201,8 +207,7 @@ def test_connection_dropped_every_time_fails_trusting_nothing_and_the_next_run_r
 def test_ctrl_c_midway_keeps_the_bytes_and_the_next_pull_resumes(tmp_path, hub, env):
     """hf_hub_download deleted its partial file when interrupted: a Ctrl-C at 900 MB of 1 GB started over."""
     hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "slow"
-    proc = subprocess.Popen([sys.executable, "-m", "localspec.cli", "pull", SMOL], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
+    proc = started_pull(env)
     deadline = time.monotonic() + 60
     while not (partial(tmp_path).is_file() and partial(tmp_path).stat().st_size > 8 * MiB):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -225,9 +230,7 @@ def test_ctrl_c_midway_keeps_the_bytes_and_the_next_pull_resumes(tmp_path, hub, 
 
 def test_two_pulls_at_once_download_the_file_once(tmp_path, hub, env):
     hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "slow"
-    pulls = [subprocess.Popen([sys.executable, "-m", "localspec.cli", "pull", SMOL], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
-             for _ in range(2)]
+    pulls = [started_pull(env) for _ in range(2)]
     said = []
     for proc in pulls:
         out, err = proc.communicate(timeout=120)
