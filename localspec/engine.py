@@ -10,6 +10,7 @@ and folds them into Stats. Everything else (generate, chat, CLI, server, bench) 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import numbers
 import operator
 import secrets
@@ -159,13 +160,12 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
             if produced >= max_tokens or room < 0:
                 yield Finish("length")
                 return
-            if cancel is not None and cancel():
-                yield Finish("cancelled")
-                return
             n = min(k, max_tokens - produced - 1, room)
             history = context[len(prompt):] if params.penalized else []  # only penalties read it
             rngs = Lazy(n + 1, lambda i, at=produced: position_rng(seed, at + i))
             with lock:
+                if cancel is not None and cancel():  # under the lock: a close() that came first has said so
+                    raise Cancelled
                 target.check_open()  # the engine may have been closed since the last round: before drafting
                 if target.version != seen:
                     target.sync(context[:-1], cancel=cancel)
@@ -286,12 +286,19 @@ class Stats:
 
 class Stream:
     """Iterate for Events; after the last one, `stats` and `finish_reason` are set. `close()` (or leaving a
-    `with` block) ends it early, as finish_reason 'cancelled'."""
+    `with` block) ends it early, as finish_reason 'cancelled', from any thread.
+
+    `halt` is set by close(); `stopped` says whether it is set or the engine is closing (the loop's cancel
+    hook reads both): checked before each token, so a round's remaining tokens are not read from a model
+    being freed."""
 
     def __init__(self, facts: Iterator, piece, *, stop: Sequence[str], drafter: str, rule: str, k: int,
                  prompt_tokens: int, seed: int = 0, notes: Sequence[str] = (),
-                 trace: Callable[[dict], None] | None = None):
+                 trace: Callable[[dict], None] | None = None, halt: threading.Event | None = None,
+                 stopped: Callable[[], bool] | None = None):
         self._facts, self._piece, self._trace = facts, piece, trace
+        self._halt = halt or threading.Event()
+        self._stopped = stopped or self._halt.is_set
         self._text = TextStream(stop)
         self._meta = dict(drafter=drafter, rule=rule, lossless=acceptance.LOSSLESS[rule], k=k,
                           prompt_tokens=prompt_tokens, seed=seed, notes=tuple(notes))
@@ -299,20 +306,42 @@ class Stream:
         self.finish_reason: str | None = None
         self._events: Iterator[Event] | None = None
         self._closing = False
+        self._step = threading.Lock()  # held by the reader inside next(): close() from elsewhere only halts
 
     def __iter__(self) -> Iterator[Event]:
         if self._events is not None:  # read once: a second pass yields nothing and leaves the stats as they are
             return iter(())
         self._events = self._run()
-        return self._events
+        return self._read()
+
+    def _read(self) -> Iterator[Event]:
+        try:
+            while True:
+                with self._step:
+                    ev = next(self._events, None)
+                if ev is None:
+                    return
+                yield ev
+        finally:  # the consumer stopped early (break, it.close(), garbage): end the loop now, 'cancelled'
+            with self._step:
+                self._events.close()
 
     def close(self) -> None:
-        """End the stream now: finish_reason 'cancelled' (unless it had ended), stats counting what it produced."""
-        if self._events is None:  # never read: run it just far enough to settle its stats
-            self._closing = True
+        """End the stream now: finish_reason 'cancelled' (unless it had ended), stats counting what it produced.
+        Called while the reader is inside next() (from another thread, or from the trace callback), it asks the
+        loop to stop: the reader's stream ends at its next token or round."""
+        self._halt.set()
+        if self._events is None:
             self._events = self._run()
-            next(self._events, None)
-        self._events.close()
+        if not self._step.acquire(blocking=False):
+            return
+        try:
+            if inspect.getgeneratorstate(self._events) == inspect.GEN_CREATED:
+                self._closing = True  # never started: run it just far enough to settle its stats
+                next(self._events, None)
+            self._events.close()
+        finally:
+            self._step.release()
 
     def __enter__(self) -> "Stream":
         return self
@@ -328,11 +357,19 @@ class Stream:
         try:
             for f in () if self._closing else self._facts:
                 if type(f) is Token:
+                    if self._stopped():  # closed mid-round: the rest of the round is not read
+                        break
+                    try:
+                        piece = self._piece(f.token)
+                    except ModelError:  # the engine closed since the check above
+                        if self._stopped():
+                            break
+                        raise
                     if held is not None:
                         yield held
                         held = None
                     n += 1
-                    ev = Event(f.token, self._text.push(self._piece(f.token)), f.from_draft, f.logprob, f.top)
+                    ev = Event(f.token, self._text.push(piece), f.from_draft, f.logprob, f.top)
                     if self._text.stopped:
                         reason = "stop"
                         yield ev
@@ -609,9 +646,7 @@ class Engine:
         if req.prediction is None:
             return None
         pred = (self.tokenize(req.prediction, add_special=False, parse_special=False)
-                if isinstance(req.prediction, str) else list(req.prediction))
-        if any(not 0 <= t < self.target.n_vocab for t in pred):
-            raise RequestError(f"prediction holds token ids outside the vocabulary (0..{self.target.n_vocab - 1})")
+                if isinstance(req.prediction, str) else self._ids(req.prediction, "prediction must be token ids"))
         room = self.target.n_ctx - len(tokens)
         if len(pred) > room:  # the output cannot be longer than the room left: neither need the prediction be
             notes.append(f"the prediction ({len(pred)} tokens) is longer than the room left in n_ctx; "
@@ -684,8 +719,9 @@ class Engine:
                 raise RequestError(f"{name} must be a callable (or None), got {type(f).__name__}")
         if self._closing.is_set():
             raise ModelError(f"{self.name} is closed: load the models again to generate")
-        asked, closing = cancel, self._closing.is_set
-        cancel = (lambda: closing() or asked()) if asked is not None else closing  # noqa: E731
+        halt, closing, asked = threading.Event(), self._closing.is_set, cancel
+        stopped = lambda: halt.is_set() or closing()  # noqa: E731 - Stream.close() or Engine.close()
+        cancel = (lambda: asked() or stopped()) if asked is not None else stopped  # noqa: E731
         req = make_request(**(self.defaults | {k: v for k, v in options.items() if v is not None}))
         tokens = self._prompt_tokens(prompt)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
@@ -705,7 +741,7 @@ class Engine:
                           lock=self._lock, cancel=cancel, grammar=grammar or Unconstrained(),
                           top_logprobs=req.logprobs)
         return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
-                      prompt_tokens=len(tokens), seed=seed, notes=notes, trace=trace)
+                      prompt_tokens=len(tokens), seed=seed, notes=notes, trace=trace, halt=halt, stopped=stopped)
 
     def generate(self, prompt: str | Sequence[int], **options) -> Result:
         """Generate to the end and return the text, tokens, from_draft flags, finish_reason and stats."""

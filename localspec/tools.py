@@ -217,19 +217,34 @@ class CallParser:
     call counts when parallel calls are off (a later fence is free text there, unconstrained: content). At the
     end, a fenced block left open comes back as content; a tagged call left open (cut short) is dropped.
     Whitespace after a call is held until text follows it: the line break a template writes after a call is
-    not content.
+    not content. A reply that opens with a bare `{"name": TOOL, "arguments": {...}}` (no tag, no fence: what
+    a small model writes under tool_choice auto; llama.cpp's Hermes parser takes it too) is a call as well,
+    and so is one that follows a call; JSON after other text is content.
     """
 
     def __init__(self, fmt: ToolFormat, names: set[str], parallel: bool = True):
         self.names, self.parallel = names, parallel
         self.tags = [(fmt.open, fmt.close)] + ([fmt.fence] if fmt.fence else [])
         self._buf, self._open = "", None  # text not yet returned; the tag pair of the call being read
+        self._bare = True  # whether the text to come may be a bare call (nothing but calls so far)
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> list[str | ToolCall]:
         self._buf += text
         out: list[str | ToolCall] = []
         while True:
+            if self._open is None and self._bare and (self.parallel or not self.calls):
+                head = self._buf.lstrip()
+                found = _bare_call(head, self.names) if head else None
+                if found is None:  # whitespace, or may still become a bare call: held
+                    return out
+                if found is not False:
+                    call, end = found
+                    self.calls.append(call)
+                    out.append(call)
+                    self._buf = head[end:]
+                    continue
+            self._bare = False
             if self._open is None:
                 hits = [(i, pair) for pair in self.tags if (i := self._buf.find(pair[0])) >= 0]
                 if not hits:
@@ -257,6 +272,7 @@ class CallParser:
                 self.calls.append(call)
                 out.append(call)
             self._buf, self._open = self._buf[len(raw):].lstrip("\n") if call else self._buf[len(raw):], None
+            self._bare = call is not None
 
     def finish(self) -> str:
         """What is left at the end, as content; a tagged call left open (the reply was cut short) is markup, not
@@ -266,12 +282,57 @@ class CallParser:
         return rest
 
     def _call(self, body: str) -> ToolCall | None:
-        try:
-            obj = json.loads(body)
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in self.names:
-                return None
-            args = obj.get("arguments", {})
-            args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        except (ValueError, RecursionError):  # not JSON, or nested past what Python parses: not a call
+        return _to_call(body, self.names)
+
+
+def _to_call(body: str, names: set[str]) -> ToolCall | None:
+    """{"name": TOOL, "arguments": {...}} as a ToolCall, or None when it is not a call to one of the tools."""
+    try:
+        obj = json.loads(body)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
             return None
-        return ToolCall(obj["name"], args, f"call_{uuid.uuid4().hex[:24]}")
+        args = obj.get("arguments", {})
+        if not isinstance(args, (dict, str)):  # arguments are an object (some models write it as JSON text)
+            return None
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError):  # not JSON, or nested past what Python parses: not a call
+        return None
+    return ToolCall(obj["name"], args, f"call_{uuid.uuid4().hex[:24]}")
+
+
+# a bare call's head, and every prefix of it ('{', '{"na', '{"name": "get_w')
+_BARE_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"')
+_BARE_PREFIX = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"([A-Za-z0-9_-]*))?)?)?)?)?)?)?)?')
+
+
+def _bare_call(text: str, names: set[str]):
+    """text (starting at a non-space) as a bare call: (ToolCall, where it ends), False when it is not one, or
+    None while it may still become one (a prefix of a call's head, or a call to a tool not yet closed)."""
+    head = _BARE_HEAD.match(text)
+    if head is None:
+        part = _BARE_PREFIX.fullmatch(text)
+        return None if part and any(n.startswith(part[1] or "") for n in names) else False
+    if head[1] not in names:
+        return False
+    end = _object_end(text)
+    if end is None:
+        return None
+    call = _to_call(text[:end], names)
+    return (call, end) if call is not None else False
+
+
+def _object_end(text: str) -> int | None:
+    """Where the JSON object that text opens ends (just past its closing brace), or None if it has not yet."""
+    depth, quoted, escaped = 0, False, False
+    for i, c in enumerate(text):
+        if quoted:
+            quoted, escaped = (c != '"' or escaped), (c == "\\" and not escaped)
+        elif c == '"':
+            quoted = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None

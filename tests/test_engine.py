@@ -283,6 +283,8 @@ def test_a_prediction_drafts_but_never_changes_the_output(smol_engine):
     assert any("does not draft from a prediction" in n for n in note.stats.notes)
     with pytest.raises(RequestError, match="prediction"):
         smol_engine.generate(prompt, max_tokens=4, prediction=[1.5])
+    with pytest.raises(RequestError, match=f"token id {smol_engine.target.n_vocab} is outside the vocabulary"):
+        smol_engine.generate(prompt, max_tokens=4, prediction=[5, smol_engine.target.n_vocab])
 
 
 def test_a_prediction_longer_than_the_context_is_clamped_with_a_note(smol_path):
@@ -356,7 +358,7 @@ def test_a_closed_engine_and_its_open_streams_raise_instead_of_touching_freed_me
     t = threading.Thread(target=lambda: results.append(
         llm.generate("1, 2, 3, 4,", max_tokens=400, temperature=0, drafter="none")))
     t.start()
-    while not llm.target.tokens:  # generating
+    while len(llm.target.tokens) < 20:  # generating (the prompt is 11 tokens)
         pass
     llm.close()  # waits for the round in progress, which ends the other thread's request
     t.join()
@@ -507,6 +509,84 @@ def test_a_stream_has_close_and_with(smol_engine):
     assert whole.finish_reason == "length"  # closing an ended stream leaves its end as it was
     assert smol_engine.generate("Once upon a time", max_tokens=5, temperature=0, drafter="none").text == \
         "".join(e.text for e in smol_engine.stream("Once upon a time", max_tokens=5, temperature=0, drafter="none"))
+
+
+def test_close_between_the_tokens_of_one_round_cancels_the_stream(smol_path):
+    """A close() after the first token of a many-token round left the stream reading the next token's piece
+    from the freed model: ModelError 'is closed' instead of finish_reason 'cancelled'."""
+    rounds = []
+    with localspec.load(target=smol_path, n_ctx=512) as llm:
+        s = llm.stream("The cat sat on the mat. " * 8, max_tokens=60, temperature=0,
+                       drafter="ngram", k=8, trace=rounds.append)
+        it, read = iter(s), 0
+        while not rounds or read >= sum(r["emitted"] for r in rounds) or rounds[-1]["emitted"] < 3:
+            next(it)
+            read += 1
+        llm.close()  # one token of this round read, more to come
+        rest = list(it)
+    assert s.finish_reason == "cancelled" and rest == [] and s.stats.generated == read
+
+
+def test_close_while_a_round_waits_for_the_lock_cancels_it(smol_path):
+    """A close() that came between a round's cancel check and its lock gave ModelError, not 'cancelled'."""
+    llm = localspec.load(target=smol_path, n_ctx=512)
+    results, errors = [], []
+
+    def generate():
+        try:
+            results.append(llm.generate("1, 2, 3,", max_tokens=400, temperature=0, drafter="none"))
+        except Exception as e:  # noqa: BLE001 - what the old code raised
+            errors.append(e)
+
+    t = threading.Thread(target=generate)
+    with llm._lock:  # another stream's round, say
+        t.start()
+        time.sleep(0.2)  # the generating thread waits for its prefill's lock
+        closer = threading.Thread(target=llm.close)
+        closer.start()
+        while not llm._closing.is_set():
+            time.sleep(0.001)
+    t.join(60)
+    closer.join(60)
+    assert errors == [] and results[0].finish_reason == "cancelled"
+
+    llm = localspec.load(target=smol_path, n_ctx=512)
+    r = llm.generate("1, 2, 3,", max_tokens=50, temperature=0, drafter="none", cancel=lambda: llm.close())
+    assert r.finish_reason == "cancelled"  # a cancel hook that closes the engine: cancelled, no ModelError
+
+
+def test_a_stream_closes_from_another_thread_and_from_its_trace(smol_engine):
+    """stream.close() while its reader was inside next() (another thread, or the trace callback) raised
+    ValueError 'generator already executing'."""
+    s = smol_engine.stream("Once upon a time", max_tokens=200, temperature=0, drafter="none",
+                           trace=lambda row: s.close() if row["depth"] > 8 else None)
+    got = list(s)
+    assert s.finish_reason == "cancelled" and 0 < len(got) < 200 and s.stats.generated == len(got)
+
+    s = smol_engine.stream("Once upon a time", max_tokens=400, temperature=0, drafter="none")
+    got, first = [], threading.Event()
+
+    def read():
+        for e in s:
+            got.append(e)
+            first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(60)
+    s.close()  # the reader is generating, maybe inside next() right now
+    reader.join(60)
+    assert not reader.is_alive() and s.finish_reason == "cancelled" and len(got) < 400
+    assert s.stats.generated == len(got)
+
+
+def test_a_stream_closed_before_its_first_token_has_stats(smol_engine):
+    """iter(s); s.close() before next(): the generator never started, so close() ran nothing: stats None."""
+    s = smol_engine.stream("Once upon a time", max_tokens=20, temperature=0, drafter="none")
+    it = iter(s)
+    s.close()
+    assert s.finish_reason == "cancelled" and s.stats.generated == 0 and list(it) == []
+    assert smol_engine.generate("Once upon a time", max_tokens=5, temperature=0, drafter="none").stats.generated == 5
 
 
 def test_close_stops_a_first_calibration_and_keeps_nothing(smol_path, tmp_path, monkeypatch):

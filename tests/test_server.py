@@ -857,6 +857,31 @@ def test_tool_call_parser_takes_one_call_without_parallel_calls_and_no_trailing_
     assert [type(o).__name__ for o in parts + [p.finish()]] == ["ToolCall", "ToolCall", "str"] and p.finish() == ""
 
 
+def test_tool_call_parser_takes_a_bare_call_at_the_start_of_a_reply():
+    """A reply that is only {"name": TOOL, "arguments": {...}} (what Qwen2.5-Coder-0.5B writes under
+    tool_choice auto) came back as content; llama.cpp's Hermes parser takes it as a call."""
+    from localspec.tools import HERMES
+
+    names = [{"function": {"name": "get_weather"}}, {"function": {"name": "get_time"}}]
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris \\"}\\" {x}"}}'
+    for text, calls, content in [
+            (f"  {bare}\n", ["get_weather"], ""),
+            (f'{bare}\n{{"name": "get_time", "arguments": {{}}}}', ["get_weather", "get_time"], ""),
+            (f"{bare}\nThe weather is on its way.", ["get_weather"], "The weather is on its way."),
+            (f"Call it so: {bare}", [], f"Call it so: {bare}"),                   # after text: content
+            ('{"name": "Ada", "age": 36}', [], '{"name": "Ada", "age": 36}'),      # not a tool's name
+            ('{"title": "get_weather"}', [], '{"title": "get_weather"}'),
+            ('{"name": "get_weather", "arguments": {"city": "Pa', [], '{"name": "get_weather", "arguments": {"city": "Pa'),
+            ('{"name": "get_weather", "arguments": 5} tail', [], '{"name": "get_weather", "arguments": 5} tail')]:
+        for pieces in ([text], list(text)):  # whole, and streamed a character at a time
+            p = HERMES.parser(names)
+            out = [o for piece in pieces for o in p.feed(piece)] + [p.finish()]
+            assert [c.name for c in p.calls] == calls, (text, pieces is text)
+            assert "".join(o for o in out if isinstance(o, str)).strip() == content
+    p = HERMES.parser(names)
+    assert p.feed('{"na') == [] and p.feed('me": "get_w') == [] and p.feed('x"') == ['{"name": "get_wx"']
+
+
 def test_a_bad_tool_schema_names_its_tool():
     """The 400 named only "tools" and dumped the whole call grammar, other tools' schemas included."""
     from localspec.openai_request import ApiError, structured
