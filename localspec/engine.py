@@ -323,8 +323,7 @@ class Stream:
                     return
                 yield ev
         finally:  # the consumer stopped early (break, it.close(), garbage): end the loop now, 'cancelled'
-            with self._step:
-                self._events.close()
+            self.close()  # never waits for _step (a finalizer may run on any thread, at any point)
 
     def close(self) -> None:
         """End the stream now: finish_reason 'cancelled' (unless it had ended), stats counting what it produced.

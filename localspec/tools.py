@@ -227,6 +227,7 @@ class CallParser:
         self.tags = [(fmt.open, fmt.close)] + ([fmt.fence] if fmt.fence else [])
         self._buf, self._open = "", None  # text not yet returned; the tag pair of the call being read
         self._bare = True  # whether the text to come may be a bare call (nothing but calls so far)
+        self._scan = _Scan()  # how far a bare call's braces have been read (each character once)
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> list[str | ToolCall]:
@@ -235,14 +236,14 @@ class CallParser:
         while True:
             if self._open is None and self._bare and (self.parallel or not self.calls):
                 head = self._buf.lstrip()
-                found = _bare_call(head, self.names) if head else None
+                found = _bare_call(head, self.names, self._scan) if head else None
                 if found is None:  # whitespace, or may still become a bare call: held
                     return out
                 if found is not False:
                     call, end = found
                     self.calls.append(call)
                     out.append(call)
-                    self._buf = head[end:]
+                    self._buf, self._scan = head[end:].lstrip("\n"), _Scan()
                     continue
             self._bare = False
             if self._open is None:
@@ -292,9 +293,13 @@ def _to_call(body: str, names: set[str]) -> ToolCall | None:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
             return None
         args = obj.get("arguments", {})
-        if not isinstance(args, (dict, str)):  # arguments are an object (some models write it as JSON text)
+        if isinstance(args, str):  # some models write the object as JSON text
+            if not isinstance(json.loads(args), dict):
+                return None
+        elif isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        else:
             return None
-        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
     except (ValueError, RecursionError):  # not JSON, or nested past what Python parses: not a call
         return None
     return ToolCall(obj["name"], args, f"call_{uuid.uuid4().hex[:24]}")
@@ -305,7 +310,7 @@ _BARE_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"')
 _BARE_PREFIX = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"([A-Za-z0-9_-]*))?)?)?)?)?)?)?)?')
 
 
-def _bare_call(text: str, names: set[str]):
+def _bare_call(text: str, names: set[str], scan: "_Scan"):
     """text (starting at a non-space) as a bare call: (ToolCall, where it ends), False when it is not one, or
     None while it may still become one (a prefix of a call's head, or a call to a tool not yet closed)."""
     head = _BARE_HEAD.match(text)
@@ -314,25 +319,33 @@ def _bare_call(text: str, names: set[str]):
         return None if part and any(n.startswith(part[1] or "") for n in names) else False
     if head[1] not in names:
         return False
-    end = _object_end(text)
+    end = scan.object_end(text)
     if end is None:
         return None
     call = _to_call(text[:end], names)
     return (call, end) if call is not None else False
 
 
-def _object_end(text: str) -> int | None:
-    """Where the JSON object that text opens ends (just past its closing brace), or None if it has not yet."""
-    depth, quoted, escaped = 0, False, False
-    for i, c in enumerate(text):
-        if quoted:
-            quoted, escaped = (c != '"' or escaped), (c == "\\" and not escaped)
-        elif c == '"':
-            quoted = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+class _Scan:
+    """Where the JSON object a text opens ends, read incrementally: the text grows between calls, and each
+    character is read once (a long call streamed a token at a time would otherwise be read again per token)."""
+
+    def __init__(self):
+        self.at, self.depth, self.quoted, self.escaped = 0, 0, False, False
+
+    def object_end(self, text: str) -> int | None:
+        """Just past the object's closing brace, or None if it has not come yet."""
+        for i in range(self.at, len(text)):
+            c = text[i]
+            if self.quoted:
+                self.quoted, self.escaped = (c != '"' or self.escaped), (c == "\\" and not self.escaped)
+            elif c == '"':
+                self.quoted = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        self.at = len(text)
+        return None

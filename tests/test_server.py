@@ -872,7 +872,9 @@ def test_tool_call_parser_takes_a_bare_call_at_the_start_of_a_reply():
             ('{"name": "Ada", "age": 36}', [], '{"name": "Ada", "age": 36}'),      # not a tool's name
             ('{"title": "get_weather"}', [], '{"title": "get_weather"}'),
             ('{"name": "get_weather", "arguments": {"city": "Pa', [], '{"name": "get_weather", "arguments": {"city": "Pa'),
-            ('{"name": "get_weather", "arguments": 5} tail', [], '{"name": "get_weather", "arguments": 5} tail')]:
+            ('{"name": "get_weather", "arguments": 5} tail', [], '{"name": "get_weather", "arguments": 5} tail'),
+            ('{"name": "get_weather", "arguments": "Paris"}', [], '{"name": "get_weather", "arguments": "Paris"}'),
+            ('{"name": "get_weather", "arguments": "{\\"city\\": 1}"}', ["get_weather"], "")]:
         for pieces in ([text], list(text)):  # whole, and streamed a character at a time
             p = HERMES.parser(names)
             out = [o for piece in pieces for o in p.feed(piece)] + [p.finish()]
@@ -880,6 +882,9 @@ def test_tool_call_parser_takes_a_bare_call_at_the_start_of_a_reply():
             assert "".join(o for o in out if isinstance(o, str)).strip() == content
     p = HERMES.parser(names)
     assert p.feed('{"na') == [] and p.feed('me": "get_w') == [] and p.feed('x"') == ['{"name": "get_wx"']
+    p = HERMES.parser(names)  # the text after a bare call, as after a tagged one: its line break is not content
+    assert [type(o).__name__ for o in p.feed(bare + "\nDone.")] == ["ToolCall", "str"] and p.finish() == ""
+    assert p.feed("") == [] and "".join(o for o in HERMES.parser(names).feed(bare + "\nDone.") if isinstance(o, str)) == "Done."
 
 
 def test_a_bad_tool_schema_names_its_tool():
