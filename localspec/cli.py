@@ -26,7 +26,7 @@ def model_options(f):
         click.option("--target", type=click.Path(dir_okay=False), help="Target GGUF file (the model whose output you get)."),
         click.option("--draft", type=click.Path(dir_okay=False), help="Draft GGUF file (small, same tokenizer)."),
         click.option("--n-ctx", type=int, help="Context size of each model (default: the pair's, else 4096; 0 = the one the model "
-                     "was trained for)."),
+                     "was trained for; llama.cpp rounds it up to a multiple of 256)."),
         click.option("--threads", "n_threads", type=int, help="CPU threads (default: all cores up to 4, else half)."),
         click.option("--n-gpu-layers", type=int, default=0, show_default=True, help="Target layers on the GPU; -1 = all."),
         click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
@@ -388,7 +388,7 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
 @model_options
 @generation_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback: this machine only).")
-@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="TCP port to listen on.")
 @click.option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 requests "
               "(or set LOCALSPEC_API_KEY).")
 @click.option("--cors", multiple=True, metavar="ORIGIN", help="Let web pages from ORIGIN call the API ('*': any); "
@@ -412,11 +412,12 @@ def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
     load_kw, gen_kw = split_options(kw)
     defaults = {k: v for k, v in gen_kw.items() if v is not None}
     make_request(**defaults)  # fail before loading models
-    with load_engine(load_kw) as llm:
+    sock = server.bind(host, port)  # a port in use, too: before loading
+    with sock, load_engine(load_kw) as llm:
         if defaults.get("drafter", llm.defaults.get("drafter", "auto")) == "auto":
             llm.calibration()  # measure costs now (once per machine) rather than inside the first request
         server.serve(llm, host=host, port=port, api_key=api_key, cors=cors, queue_size=queue_size,
-                     allow_hosts=allow_hosts, defaults=defaults)
+                     allow_hosts=allow_hosts, defaults=defaults, sock=sock)
 
 
 # generate's --max-tokens 256 is not OpenAI's default (16 for /v1/completions, the context for chat): requests

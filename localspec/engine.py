@@ -70,6 +70,7 @@ class Token:
 @dataclass(frozen=True, slots=True)
 class Finish:
     reason: str  # "stop", "length" or "cancelled"
+    note: str | None = None  # why, where the reason alone does not say (a full context)
 
 
 # ---- the loop ----
@@ -158,7 +159,9 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
         while True:
             room = target.n_ctx - len(context)  # positions left once pending is evaluated
             if produced >= max_tokens or room < 0:
-                yield Finish("length")
+                yield Finish("length", None if produced >= max_tokens else
+                             f"the context filled up (n_ctx={target.n_ctx}) before max_tokens: raise n_ctx "
+                             "(--n-ctx) for a longer output")
                 return
             n = min(k, max_tokens - produced - 1, room)
             history = context[len(prompt):] if params.penalized else []  # only penalties read it
@@ -399,6 +402,8 @@ class Stream:
                     t_gen = time.perf_counter()
                 elif type(f) is Finish:
                     reason = f.reason
+                    if f.note is not None:
+                        self._meta["notes"] += (f.note,)
             tail = self._text.flush()
             if held is not None:
                 yield replace(held, text=held.text + tail)

@@ -16,6 +16,7 @@ import math
 import numbers
 import os
 import re
+import signal
 import threading
 import time
 from collections import deque
@@ -64,6 +65,25 @@ def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 
 L.llama_log_set(_log_callback, ctypes.c_void_p(0))
 L.llama_backend_init()
+
+
+@contextlib.contextmanager
+def _interrupt_after():
+    """Hold a Ctrl-C that comes while llama.cpp is inside a long call (loading a model) and raise it once the
+    call returns: raised in the middle, inside llama.cpp's log callback, ctypes printed a traceback, dropped
+    it, and the command went on. Only the main thread receives signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    hit = []
+    signal.signal(signal.SIGINT, lambda *_: hit.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hit:
+        raise KeyboardInterrupt
 
 
 def set_verbose(on: bool) -> None:
@@ -286,7 +306,12 @@ class Model:
             setattr(mp if key in _fields(L.llama_model_params) else cp, key, value)
 
         _recent_log.clear()
-        self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
+        try:
+            with _interrupt_after():
+                self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
+        except KeyboardInterrupt:
+            self.close()
+            raise
         if not self._model:
             raise ModelError(f"llama.cpp could not load {self.path}: the file may be truncated or corrupt, "
                              f"or its architecture unsupported by this llama.cpp{_last_log()}")
@@ -302,7 +327,12 @@ class Model:
             raise ModelError(f"{self.path.name} is a recurrent or hybrid model (Mamba, RWKV, ...): its state cannot "
                              "be rolled back to an earlier position, which speculative decoding needs; "
                              "use a transformer model")
-        self._ctx = L.llama_init_from_model(self._model, cp)
+        try:
+            with _interrupt_after():
+                self._ctx = L.llama_init_from_model(self._model, cp)
+        except KeyboardInterrupt:
+            self.close()
+            raise
         if not self._ctx:
             self.close()
             quantized = cfg.type_k != "f16" or cfg.type_v != "f16"

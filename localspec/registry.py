@@ -90,7 +90,9 @@ class Registry:
         if name is None:
             raise RegistryError("no pair named and no default_pair in models.toml")
         if name not in self.pairs:
-            raise RegistryError(f"unknown pair {name!r}; known pairs: {', '.join(sorted(self.pairs))}")
+            hint = (f"; {name!r} is a model, not a pair: pass its file with --target (`localspec pull {name}` "
+                    "fetches it and prints its path)" if name in self.models else "")
+            raise RegistryError(f"unknown pair {name!r}; known pairs: {', '.join(sorted(self.pairs))}{hint}")
         return self.pairs[name]
 
     def specs(self, name: str | None = None) -> list[ModelSpec]:

@@ -44,7 +44,8 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral if f.type == "int" else numbers.Real):
                 raise SamplingError(f"{f.name}={v!r} must be {'an integer' if f.type == 'int' else 'a number'}")
             if f.type == "float" and not -1e9 < v < 1e9:  # also NaN and infinities, and ints too big for a float
-                raise SamplingError(f"{f.name}={v!r} is out of range: it must be a finite number")
+                raise SamplingError(f"{f.name}={v!r} is out of range: it must be a finite number between "
+                                    "-1e9 and 1e9")
             if type(v) is not (int if f.type == "int" else float):  # numpy's numbers too, held as Python's
                 object.__setattr__(self, f.name, int(v) if f.type == "int" else float(v))
         checks = (

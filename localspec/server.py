@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import ipaddress
 import json
 import logging
 import re
+import socket
 import threading
 import time
 from collections import deque
@@ -512,18 +514,47 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+class ServeError(LocalspecError):
+    """The server cannot listen where it was asked to (a port in use, an address not of this machine)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening): `localspec serve` binds it before loading the models,
+    so that a port in use or a wrong --host is said at once, not after minutes of loading and measuring."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ServeError(f"--host {host}: not an address of this machine ({getattr(e, 'strerror', None) or e}); "
+                         "give one such as 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"port {port} on {host} is in use (another localspec serve, or another server): "
+                             "stop it or pick another --port") from None
+        raise ServeError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
+    return sock
+
+
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           cors: tuple[str, ...] = (), queue_size: int = 16, allow_hosts: tuple[str, ...] = (),
-          defaults: dict | None = None) -> None:
+          defaults: dict | None = None, sock: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM, which end the running and waiting generations with a 'shutting down' error.
 
     Without an api_key, only requests naming this server in their Host header are answered: loopback names,
-    `host`, IP addresses and `allow_hosts`.
+    `host`, IP addresses and `allow_hosts`. sock: bound by bind(host, port) beforehand (bound here if None).
     """
+    sock = sock or bind(host, port)
     app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size, defaults=defaults,
                      hosts=(*LOOPBACK, host, *allow_hosts))
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
     if host not in LOOPBACK and api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model "
                     "(by IP address, or by a name given with --allow-host)", host)
-    _Server(config, app.state.worker).run()
+    shown = f"[{host}]" if ":" in host else host
+    log.info("localspec serving on http://%s:%d (Press CTRL+C to quit)", shown, sock.getsockname()[1])
+    _Server(config, app.state.worker).run(sockets=[sock])

@@ -126,6 +126,18 @@ def test_k_beyond_one_decode_is_clamped_and_said(smol_engine):
     assert "note: k=1000" in r.stats.line()
 
 
+def test_an_output_cut_by_a_full_context_says_so(smol_path):
+    """generate with a small --n-ctx ended 'length' like a max_tokens cut, nothing saying the context was full
+    (llama.cpp also rounds n_ctx up to 256, so the cut came later than asked)."""
+    with localspec.load(target=smol_path, n_ctx=256) as llm:
+        r = llm.generate("1, 2, 3, 4, 5, 6,", max_tokens=1000, temperature=0, drafter="none")
+        assert r.finish_reason == "length" and r.stats.prompt_tokens + r.stats.generated >= 255
+        assert any("context filled up (n_ctx=256) before max_tokens" in n for n in r.stats.notes)
+        assert "note: the context filled up" in r.stats.line()
+        r = llm.generate("1, 2, 3, 4, 5, 6,", max_tokens=5, temperature=0, drafter="none")
+        assert r.finish_reason == "length" and r.stats.notes == ()
+
+
 def test_small_contexts(smol_path):
     """Case 4: --n-ctx 256 crashed calibration under auto; a draft context smaller than the prompt raised
     ContextFullError in prefill."""

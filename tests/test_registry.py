@@ -418,6 +418,8 @@ n_ctx = 512
     pair = reg.pair()                                          # the user's default
     assert (pair.name, pair.drafter, pair.k, pair.n_ctx, pair.p_min) == ("smollm2-self", "ngram", 2, 512, 0.75)
     assert reg.pairs["qwen2.5-coder-1.5b"] == SHIPPED.pairs["qwen2.5-coder-1.5b"]   # the rest stays
+    with pytest.raises(RegistryError, match="is a model, not a pair: pass its file with --target"):
+        reg.pair("smollm2-135m-instruct-q4_1")                 # a model's name given as --pair
 
     (tmp_path / "home" / "models").mkdir(parents=True)
     shutil.copy(smol_path, tmp_path / "home" / "models" / SMOL_SPEC.file)

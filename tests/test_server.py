@@ -176,6 +176,28 @@ def test_serve_flags_are_the_defaults_of_requests(small_server, smol_engine):
     assert result.exit_code == 2 and "No such option '--max-tokens'" in result.output
 
 
+def test_serve_says_a_busy_port_or_a_wrong_host_before_loading_the_models(smol_path, monkeypatch):
+    """A port in use was found after the models loaded and their costs were measured (minutes on a first run),
+    as uvicorn's 'address already in use'; --port 70000 and --host 999.1.1.1 dumped 80-line tracebacks."""
+    import localspec.cli as lc
+
+    monkeypatch.setattr(lc, "load_engine", lambda *a, **k: pytest.fail("loaded the models first"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args, message in (
+                (["--port", str(port)], f"port {port} on 127.0.0.1 is in use (another localspec serve, or another "
+                                        "server): stop it or pick another --port"),
+                (["--host", "999.1.1.1"], "--host 999.1.1.1: not an address of this machine")):
+            r = subprocess.run([sys.executable, "-c", "import sys, localspec.cli as c; c.load_engine = None; "
+                                "sys.argv[0] = 'localspec'; c.main()", "serve", "--target", str(smol_path), *args],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    result = CliRunner().invoke(cli, ["serve", "--target", str(smol_path), "--port", "70000"])
+    assert result.exit_code == 2 and "70000 is not in the range 1<=x<=65535" in result.output
+
+
 def test_four_concurrent_clients_each_get_a_complete_correct_answer(server, smol_engine):
     questions = ["Name a fruit.", "What is 2+2?", "Say hello in French.", "What color is the sky?"]
 
