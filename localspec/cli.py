@@ -28,7 +28,7 @@ def model_options(f):
         click.option("--n-ctx", type=int, help="Context size of each model (default: the pair's, else 4096; 0 = the one the model "
                      "was trained for; llama.cpp rounds it up to a multiple of 256)."),
         click.option("--threads", "n_threads", type=int, help="CPU threads (default: all cores up to 4, else half)."),
-        click.option("--n-gpu-layers", type=int, default=0, show_default=True, help="Target layers on the GPU; -1 = all."),
+        click.option("--n-gpu-layers", type=click.IntRange(min=-1), default=0, show_default=True, help="Target layers on the GPU; -1 = all."),
         click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
                      help="Flash attention; auto = off on the CPU alone (faster there), llama.cpp's choice on a GPU."),
         click.option("--type-k", default="f16", show_default=True, help="KV cache type of keys (f16, q8_0, q4_0, ...)."),
@@ -36,7 +36,7 @@ def model_options(f):
                      help="KV cache type of values (a quantized V cache needs flash attention)."),
         click.option("--n-ctx-draft", type=int, help="Draft model's context size (default: as the target; 0 = its trained one)."),
         click.option("--threads-draft", "n_threads_draft", type=int, help="Draft model's threads (default: as the target)."),
-        click.option("--n-gpu-layers-draft", type=int, help="Draft layers on the GPU (default: as the target)."),
+        click.option("--n-gpu-layers-draft", type=click.IntRange(min=-1), help="Draft layers on the GPU (default: as the target)."),
         click.option("--flash-attn-draft", type=click.Choice(["auto", "on", "off"]), help="Default: as the target."),
         click.option("--type-k-draft", help="Draft KV cache type of keys (default: as the target)."),
         click.option("--type-v-draft", help="Draft KV cache type of values (default: as the target)."),
@@ -185,7 +185,11 @@ def parse_kwargs(items) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
-        out[key.strip()] = _kwarg_value(value.strip())
+        try:
+            out[key.strip()] = _kwarg_value(value.strip())
+        except click.BadParameter as e:  # name the flag's item: the key may be wrong too (checked at load)
+            raise click.BadParameter(f"{item!r}: {e.message} (KEY is a llama_model_params or "
+                                     "llama_context_params field, VALUE a number or true/false)") from None
     return out
 
 
