@@ -416,12 +416,15 @@ def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
     load_kw, gen_kw = split_options(kw)
     defaults = {k: v for k, v in gen_kw.items() if v is not None}
     make_request(**defaults)  # fail before loading models
-    sock = server.bind(host, port)  # a port in use, too: before loading
-    with sock, load_engine(load_kw) as llm:
+    socks = server.bind(host, port)  # a port in use, too: before loading
+    with contextlib.ExitStack() as held:
+        for sock in socks:
+            held.enter_context(sock)
+        llm = held.enter_context(load_engine(load_kw))
         if defaults.get("drafter", llm.defaults.get("drafter", "auto")) == "auto":
             llm.calibration()  # measure costs now (once per machine) rather than inside the first request
         server.serve(llm, host=host, port=port, api_key=api_key, cors=cors, queue_size=queue_size,
-                     allow_hosts=allow_hosts, defaults=defaults, sock=sock)
+                     allow_hosts=allow_hosts, defaults=defaults, socks=socks)
 
 
 # generate's --max-tokens 256 is not OpenAI's default (16 for /v1/completions, the context for chat): requests

@@ -18,6 +18,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -518,37 +519,51 @@ class ServeError(LocalspecError):
     """The server cannot listen where it was asked to (a port in use, an address not of this machine)."""
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The server's socket, bound (not yet listening): `localspec serve` binds it before loading the models,
-    so that a port in use or a wrong --host is said at once, not after minutes of loading and measuring."""
+def bind(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets (one per address the host names, as asyncio would make them), listening: `localspec
+    serve` takes them before loading the models, so that a port in use or a wrong --host is said at once, not
+    after minutes of loading and measuring (connections made meanwhile wait for the server)."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         raise ServeError(f"--host {host}: not an address of this machine ({getattr(e, 'strerror', None) or e}); "
                          "give one such as 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
+    socks, failed = [], None
+    for family, kind, proto, _, addr in dict.fromkeys((i[0], i[1], i[2], "", i[4]) for i in infos):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if os.name == "posix":  # elsewhere it would let two servers share the port
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # '::' is IPv6 only, as asyncio has it
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(2048)  # now: a second server binding the same port meanwhile is refused
+            socks.append(sock)
+        except OSError as e:
+            sock.close()
+            if e.errno != errno.EADDRNOTAVAIL:  # an address family this machine lacks is skipped, as by asyncio
+                failed = e
+                break
+            failed = failed or e
+    if socks and (failed is None or failed.errno == errno.EADDRNOTAVAIL):
+        return socks
+    for sock in socks:
         sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ServeError(f"port {port} on {host} is in use (another localspec serve, or another server): "
-                             "stop it or pick another --port") from None
-        raise ServeError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
-    return sock
+    if failed.errno == errno.EADDRINUSE:
+        raise ServeError(f"port {port} on {host} is in use (another localspec serve, or another server): "
+                         "stop it or pick another --port") from None
+    raise ServeError(f"cannot listen on {host} port {port}: {failed.strerror or failed}") from None
 
 
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           cors: tuple[str, ...] = (), queue_size: int = 16, allow_hosts: tuple[str, ...] = (),
-          defaults: dict | None = None, sock: socket.socket | None = None) -> None:
+          defaults: dict | None = None, socks: list[socket.socket] | None = None) -> None:
     """Serve until SIGINT/SIGTERM, which end the running and waiting generations with a 'shutting down' error.
 
     Without an api_key, only requests naming this server in their Host header are answered: loopback names,
-    `host`, IP addresses and `allow_hosts`. sock: bound by bind(host, port) beforehand (bound here if None).
+    `host`, IP addresses and `allow_hosts`. socks: from bind(host, port) beforehand (bound here if None).
     """
-    sock = sock or bind(host, port)
+    socks = socks or bind(host, port)
     app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size, defaults=defaults,
                      hosts=(*LOOPBACK, host, *allow_hosts))
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
@@ -556,5 +571,5 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model "
                     "(by IP address, or by a name given with --allow-host)", host)
     shown = f"[{host}]" if ":" in host else host
-    log.info("localspec serving on http://%s:%d (Press CTRL+C to quit)", shown, sock.getsockname()[1])
-    _Server(config, app.state.worker).run(sockets=[sock])
+    log.info("localspec serving on http://%s:%d (Press CTRL+C to quit)", shown, socks[0].getsockname()[1])
+    _Server(config, app.state.worker).run(sockets=socks)

@@ -196,6 +196,15 @@ def test_serve_says_a_busy_port_or_a_wrong_host_before_loading_the_models(smol_p
             assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     result = CliRunner().invoke(cli, ["serve", "--target", str(smol_path), "--port", "70000"])
     assert result.exit_code == 2 and "70000 is not in the range 1<=x<=65535" in result.output
+    from localspec.server import ServeError, bind
+
+    loading = bind("127.0.0.1", 0)  # a server still loading its models holds its port already
+    try:
+        with pytest.raises(ServeError, match="is in use"):  # SO_REUSEADDR let two bound sockets share it
+            bind("127.0.0.1", loading[0].getsockname()[1])
+    finally:
+        for sock in loading:
+            sock.close()
 
 
 def test_four_concurrent_clients_each_get_a_complete_correct_answer(server, smol_engine):
