@@ -71,15 +71,16 @@ L.llama_backend_init()
 def _interrupt_after():
     """Hold a Ctrl-C that comes while llama.cpp is inside a long call (loading a model) and raise it once the
     call returns: raised in the middle, inside llama.cpp's log callback, ctypes printed a traceback, dropped
-    it, and the command went on. Only the main thread receives signals; elsewhere this does nothing."""
+    it, and the command went on. Yields a list that is non-empty once one came (a load's progress callback
+    reads it to stop early). Only the main thread receives signals; elsewhere this holds nothing."""
+    hit: list[bool] = []
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
+        yield hit
         return
-    hit = []
     signal.signal(signal.SIGINT, lambda *_: hit.append(True))
     try:
-        yield
+        yield hit
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if hit:
@@ -307,7 +308,9 @@ class Model:
 
         _recent_log.clear()
         try:
-            with _interrupt_after():
+            with _interrupt_after() as hit:
+                # a Ctrl-C stops the load at its next step (a large model from a slow disk takes a while)
+                mp.progress_callback = stop = L.llama_progress_callback(lambda progress, data: not hit)  # noqa: F841
                 self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         except KeyboardInterrupt:
             self.close()
