@@ -68,11 +68,12 @@ L.llama_backend_init()
 
 
 @contextlib.contextmanager
-def _interrupt_after():
-    """Hold a Ctrl-C that comes while llama.cpp is inside a long call (loading a model) and raise it once the
-    call returns: raised in the middle, inside llama.cpp's log callback, ctypes printed a traceback, dropped
-    it, and the command went on. Yields a list that is non-empty once one came (a load's progress callback
-    reads it to stop early). Only the main thread receives signals; elsewhere this holds nothing."""
+def _interrupt_after(cleanup):
+    """Hold a Ctrl-C that comes while llama.cpp is inside a long call (loading a model) and raise it, after
+    cleanup(), once the call returns: raised in the middle, inside llama.cpp's log callback, ctypes printed a
+    traceback, dropped it, and the command went on. Yields a list that is non-empty once one came (a load's
+    progress callback reads it to stop early). Only the main thread receives signals; elsewhere this holds
+    nothing."""
     hit: list[bool] = []
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
@@ -84,6 +85,7 @@ def _interrupt_after():
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if hit:
+        cleanup()
         raise KeyboardInterrupt
 
 
@@ -307,14 +309,10 @@ class Model:
             setattr(mp if key in _fields(L.llama_model_params) else cp, key, value)
 
         _recent_log.clear()
-        try:
-            with _interrupt_after() as hit:
-                # a Ctrl-C stops the load at its next step (a large model from a slow disk takes a while)
-                mp.progress_callback = stop = L.llama_progress_callback(lambda progress, data: not hit)  # noqa: F841
-                self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
-        except KeyboardInterrupt:
-            self.close()
-            raise
+        with _interrupt_after(self.close) as hit:
+            # a Ctrl-C stops the load at its next step (a large model from a slow disk takes a while)
+            mp.progress_callback = stop = L.llama_progress_callback(lambda progress, data: not hit)  # noqa: F841
+            self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
             raise ModelError(f"llama.cpp could not load {self.path}: the file may be truncated or corrupt, "
                              f"or its architecture unsupported by this llama.cpp{_last_log()}")
@@ -330,12 +328,8 @@ class Model:
             raise ModelError(f"{self.path.name} is a recurrent or hybrid model (Mamba, RWKV, ...): its state cannot "
                              "be rolled back to an earlier position, which speculative decoding needs; "
                              "use a transformer model")
-        try:
-            with _interrupt_after():
-                self._ctx = L.llama_init_from_model(self._model, cp)
-        except KeyboardInterrupt:
-            self.close()
-            raise
+        with _interrupt_after(self.close):
+            self._ctx = L.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()
             quantized = cfg.type_k != "f16" or cfg.type_v != "f16"

@@ -528,31 +528,40 @@ def bind(host: str, port: int) -> list[socket.socket]:
     except (socket.gaierror, UnicodeError) as e:
         raise ServeError(f"--host {host}: not an address of this machine ({getattr(e, 'strerror', None) or e}); "
                          "give one such as 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
-    socks, failed = [], None
-    for family, kind, proto, _, addr in dict.fromkeys((i[0], i[1], i[2], "", i[4]) for i in infos):
-        sock = socket.socket(family, kind, proto)
-        try:
-            if os.name == "posix":  # elsewhere it would let two servers share the port
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:  # '::' is IPv6 only, as asyncio has it
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(addr)
-            sock.listen(2048)  # now: a second server binding the same port meanwhile is refused
-            socks.append(sock)
-        except OSError as e:
+    socks = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys((i[0], i[1], i[2], "", i[4]) for i in infos):
+            try:
+                socks.append(_listen(family, kind, proto, addr))
+            except OSError as e:
+                if e.errno != errno.EADDRNOTAVAIL:  # an address family this machine lacks is skipped, as by asyncio
+                    raise
+                skipped = e
+        if not socks:
+            raise skipped
+    except OSError as e:
+        for sock in socks:
             sock.close()
-            if e.errno != errno.EADDRNOTAVAIL:  # an address family this machine lacks is skipped, as by asyncio
-                failed = e
-                break
-            failed = failed or e
-    if socks and (failed is None or failed.errno == errno.EADDRNOTAVAIL):
-        return socks
-    for sock in socks:
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"port {port} on {host} is in use (another localspec serve, or another server): "
+                             "stop it or pick another --port") from None
+        raise ServeError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
+    return socks
+
+
+def _listen(family, kind, proto, addr) -> socket.socket:
+    sock = socket.socket(family, kind, proto)
+    try:
+        if os.name == "posix":  # elsewhere it would let two servers share the port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # '::' is IPv6 only, as asyncio has it
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+        sock.listen(2048)  # now: a second server binding the same port meanwhile is refused
+    except OSError:
         sock.close()
-    if failed.errno == errno.EADDRINUSE:
-        raise ServeError(f"port {port} on {host} is in use (another localspec serve, or another server): "
-                         "stop it or pick another --port") from None
-    raise ServeError(f"cannot listen on {host} port {port}: {failed.strerror or failed}") from None
+        raise
+    return sock
 
 
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,

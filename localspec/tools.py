@@ -266,7 +266,7 @@ class CallParser:
             if j < 0:
                 return out
             raw = self._buf[:j + len(closing)]
-            call = self._call(self._buf[len(opening):j]) if self.parallel or not self.calls else None
+            call = _to_call(self._buf[len(opening):j], self.names) if self.parallel or not self.calls else None
             if call is None:  # not a call after all (or one too many): show it as the model wrote it
                 out.append(raw)
             else:
@@ -281,9 +281,6 @@ class CallParser:
         rest = "" if self._open == self.tags[0] or (self.calls and not self._buf.strip()) else self._buf
         self._buf, self._open = "", None
         return rest
-
-    def _call(self, body: str) -> ToolCall | None:
-        return _to_call(body, self.names)
 
 
 def _to_call(body: str, names: set[str]) -> ToolCall | None:
