@@ -8,6 +8,7 @@ Idempotent: a verified file is not fetched again.
     python scripts/fetch_models.py            # SmolLM2-135M and the Qwen2.5-Coder 1.5B/0.5B pair
     python scripts/fetch_models.py smollm2-135m-instruct-q4_1
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -17,9 +18,16 @@ from localspec.registry import fetch_from_mirror, load_registry  # noqa: E402
 DEFAULT = ["smollm2-135m-instruct-q4_1", "qwen2.5-coder-0.5b-instruct-q4_k_m", "qwen2.5-coder-1.5b-instruct-q4_k_m"]
 
 
-def main(names: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=f"Without a name: {', '.join(DEFAULT)}.")
+    ap.add_argument("names", nargs="*", metavar="NAME", help="a model's name in models.toml")
+    names = ap.parse_args(argv).names or DEFAULT
     reg = load_registry()
-    for name in names or DEFAULT:
+    unknown = [n for n in names if n not in reg.models]
+    if unknown:
+        ap.error(f"unknown model {unknown[0]!r}; known models: {', '.join(sorted(reg.models))}")
+    for name in names:
         path = fetch_from_mirror(reg.model(name))
         print(f"ok  {name}  {path}")
     return 0

@@ -642,3 +642,11 @@ def test_trained_context_is_read_and_its_absence_is_a_clear_error(tmp_path):
     assert memory.trained_ctx(write_gguf(tmp_path / "a.gguf", base | {"toy.context_length": (4, 32768)})) == 32768
     with pytest.raises(memory.GGUFError, match="no training context length.*pass a size"):
         memory.trained_ctx(write_gguf(tmp_path / "b.gguf", base))
+
+
+def test_fetch_models_script_explains_itself_and_names_an_unknown_model():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fetch_models.py"
+    r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "smollm2-135m-instruct-q4_1" in r.stdout and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, str(script), "no-such-model"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown model 'no-such-model'" in r.stderr and "known models:" in r.stderr
