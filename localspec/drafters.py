@@ -391,6 +391,11 @@ class AutoDrafter:
     tokens behind: after a long stretch of plain decoding it is not probed again in that request, since a
     probe would first pay for catching its cache up.
 
+    Each request also keeps the account of its drafts: the time each round saved or lost against plain
+    decoding of the tokens it gave, priced with the measured costs. While the account is in deficit, a draft
+    must be expected to win by a wider margin (CAUTION per plain step lost), so a text that keeps defeating
+    the learned rates costs little against plain decoding; a request whose drafts pay is not held back.
+
     Under a grammar, the tokens it forces open every draft, priced with their own learned acceptance (nearly
     always accepted, yet a model may spell the same bytes otherwise), then the token spelling the rest of
     the forced bytes while the model has mostly written it (learned per token), and a continuation is added
@@ -405,6 +410,10 @@ class AutoDrafter:
     # a draft that fails costs more than one that succeeds gains. (Replaying real outputs of 23 prompts
     # against this machine's costs: 1.05 beats 1.0 slightly on average and lifts the worst prompt.)
     MARGIN = 1.05
+    # Each plain step's worth of time a request's drafts have lost so far raises that request's margin by this
+    # much (replayed on 23 prompts and 5 cost curves: 0.05 lifted the worst prompt and the geometric means a
+    # little; 0.1 and more cost the slowest-verifying host, where one failed draft loses several steps, 1-3%).
+    CAUTION = 0.05
     PROBE_LAG = 8  # probe the draft model only when its cache lacks at most this many tokens
 
     def __init__(self, costs, ngram: NgramDrafter, model: ModelDrafter | None, *, k_max: int = 33,
@@ -458,6 +467,10 @@ class AutoDrafter:
         self.prediction_stats = {run: AcceptanceStats(k_max, prior) for run, prior in ((0, 0.5), (1, 0.7), (2, 0.9))}
         self.probe_every = 64
         self.since_model = self.probe_every  # the first round the model could draft in probes it
+        # seconds this request's drafts have saved against plain decoding (< 0: lost), priced with the measured
+        # costs rather than timed, so the same request still drafts the same way every time
+        self.bank = 0.0
+        self.bet: tuple[int, float] | None = None  # the last draft: context length then, the seconds its round cost
         # guesses not settled yet: (position, tokens, whose stats, how many leading ones are counted already,
         # the KindOdds that also learn from them)
         self.pending: list[tuple[int, list[int], AcceptanceStats, int, KindOdds | None]] = []
@@ -506,9 +519,13 @@ class AutoDrafter:
         self._learn(context)
         if self.output_from is None:
             self.output_from = len(context)
+        depth = len(context)
+        if self.bet is not None:  # what the last draft's round gave, against plain decoding of as many tokens
+            at, seconds = self.bet
+            self.bank += (depth - at) / self._plain(at) - seconds
+            self.bet = None
         if n <= 0:
             return EMPTY
-        depth = len(context)
         cost = self._cost(depth)
         forced = self.grammar.forced()[:n] if self.grammar is not None else []
         rates = self.forced_stats.rates(len(forced))
@@ -524,7 +541,10 @@ class AutoDrafter:
             rates, guess = (np.concatenate([rates, rate]), guess) if rate[0] >= 0.5 else (rates, [])
         f = len(forced) + len(guess)
         plain = self._plain(depth)
-        best = ("none", 0, self.MARGIN * plain, 1.0)  # (source, K, expected tokens/s, expected tokens)
+        # A request whose drafts have lost time so far asks more of the next one (CAUTION), so a text that keeps
+        # defeating the estimates costs little against plain decoding.
+        margin = self.MARGIN + self.CAUTION * max(-self.bank, 0.0) * plain
+        best = ("none", 0, margin * plain, 1.0)  # (source, K, expected tokens/s, expected tokens)
         if f:
             k, speed, tokens = _best(rates, cost, 0.0, self.row_cost, start=f)
             if speed > best[2]:
@@ -577,6 +597,7 @@ class AutoDrafter:
         plan = Plan(name, tokens, 1.0 / plain if name == "none" else tokens / speed)
         if name == "none":
             return Draft([], plan=plan)
+        lag = self.model.lag(ctx) if name == "model" else 0
         rest = EMPTY
         if name == "ngram":
             rest = Draft(cont[:k - f])
@@ -593,4 +614,9 @@ class AutoDrafter:
                     self.grammar.rollback(f)
             if rest.tokens:
                 self.pending.append((len(ctx), rest.tokens, self.model_stats, 0, None))
-        return replace(constrained(self.grammar, forced, rest, guess) if self.grammar is not None else rest, plan=plan)
+        d = replace(constrained(self.grammar, forced, rest, guess) if self.grammar is not None else rest, plan=plan)
+        seconds = self.costs.verify_cost(len(d.tokens) + 1, depth)
+        if name == "model":
+            seconds += self.costs.draft_cost(depth) * max(len(rest.tokens), 1) + lag * self.costs.fill_cost(depth)
+        self.bet = (depth, seconds)
+        return d

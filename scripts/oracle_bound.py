@@ -210,6 +210,7 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     if learned is not None:  # auto-warm: the same statistics, a fresh start on the output
         if learned:
             drafter, drafter.model, drafter.grammar, drafter.pending, drafter.run = learned[0], model, g, [], 0
+            drafter.bank, drafter.bet = 0.0, None
         else:
             learned.append(drafter)
     if model is not None and (policy == "model4" or (policy.startswith("auto") and drafter.model_may_win(len(prompt)))):

@@ -31,6 +31,15 @@ def auto(c, model=None, **kw):
 REPEATING = list(range(100, 140)) * 3  # a long stretch of context that repeats itself
 
 
+def play(a, ctx, text, n=16):
+    """One round as the engine plays it, where the target writes `text`: auto's draft, its agreed prefix and the
+    target's next token appended."""
+    truth = text[len(ctx):]
+    d = a.propose(ctx, min(n, len(truth) - 1))
+    m = next((i for i, (x, y) in enumerate(zip(d.tokens, truth)) if x != y), len(d.tokens))
+    return ctx + truth[:m + 1]
+
+
 def confident(a, guesses=100):
     """An auto whose n-gram statistics have seen `guesses` guesses of 16 tokens, all accepted."""
     for s in a.ngram_stats.values():
@@ -90,9 +99,9 @@ def test_guesses_the_context_disagrees_on_are_judged_apart():
     a = auto(CPU)
     record = [7, 8, 9]  # a record's key, then its value
     ctx = list(range(100, 140)) + record + [1, 2] + record + [3, 4] + record + [5, 6]  # the value differs each time
-    for t in range(100, 130):  # a long quote of the prompt, learned as it goes
-        a.propose(ctx, 16)
-        ctx.append(t)
+    quote = ctx + list(range(100, 130))
+    while len(ctx) < len(quote):  # a long quote of the prompt, learned as it goes
+        ctx = play(a, ctx, quote)
     assert a.propose(ctx, 16).tokens  # the copy is drafted
     for _ in range(20):  # then records whose values never repeat: the key's guess fails every time
         ctx += record
@@ -125,6 +134,34 @@ def test_draft_model_is_probed_now_and_then_and_less_often_when_it_loses():
         ctx.append(1000 + i)
     assert 1 <= len(model.calls) <= 4
     assert a.probe_every > 64
+
+
+def test_a_request_whose_drafts_keep_failing_stops_drafting_though_its_rates_still_promise():
+    """The account of a request's drafts: each failed round's lost time raises the margin the next draft must
+    clear, so auto stops betting on a text that defeats its estimates long before the rates learn it."""
+    drafted = {}
+    for caution in (0.0, AutoDrafter.CAUTION):
+        a = confident(auto(INTEL))
+        a.CAUTION = caution
+        ctx = list(REPEATING)
+        drafted[caution] = 0
+        for i in range(60):
+            d = a.propose(ctx, 16)
+            drafted[caution] += bool(d.tokens)
+            # the target never writes what was guessed, but a token the context has seen: more guesses follow
+            ctx.append(100 + ((d.tokens[0] if d.tokens else ctx[-1]) - 100 + 7) % 40)
+        assert (a.bank < 0) == bool(drafted[caution])
+    assert drafted[0.0] == 60 and drafted[AutoDrafter.CAUTION] < 30
+
+
+def test_a_request_whose_drafts_pay_keeps_the_plain_margin():
+    a = confident(auto(INTEL))
+    ctx = list(REPEATING)
+    for _ in range(10):
+        d = a.propose(ctx, 16)
+        assert d.tokens
+        ctx = ctx + list(d.tokens) + [ctx[len(ctx) - 120 + len(d.tokens)]]  # every guess holds, then one more
+    assert a.bank > 0
 
 
 class FakeGrammar:
@@ -346,10 +383,9 @@ def test_guesses_are_also_judged_by_the_kind_of_token_they_hold():
     for with_kinds in (True, False):
         a = auto(CPU, kinds=kinds if with_kinds else None)
         ctx = list(prompt)
-        for i in range(30):  # the output copies each record's words, then writes its own punctuation
-            for t in (*words[i], 1500 + i):
-                a.propose(ctx, 16)
-                ctx.append(t)
+        text = ctx + [t for i in range(30) for t in (*words[i], 1500 + i)]  # the output copies each record's
+        while len(ctx) < len(text):  # words, then writes its own punctuation
+            ctx = play(a, ctx, text)
         drafts[with_kinds] = a.propose(ctx + words[35][:1], 16).tokens
         if with_kinds:
             tried, accepted = a.kind_odds["prompt"].tried, a.kind_odds["prompt"].accepted
