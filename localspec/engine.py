@@ -355,6 +355,18 @@ class Stream:
         pre, rounds, drafting, drafted, acc, at, t_d, t_v, n = None, 0, 0, 0, 0, [], 0.0, 0.0, 0
         forced, predicted = [0, 0], [0, 0]
         reason, held = "cancelled", None  # until the loop says why it ended: a consumer that closes early cancels
+        last, got = None, 0  # the latest drafting round, and how many of its draft tokens this stream emitted
+
+        def settle() -> None:
+            """Count the latest round's accepted tokens as far as they were emitted: a stop sequence or a close
+            mid-round leaves the rest of the round's tokens unread."""
+            nonlocal acc
+            acc += got
+            for i in range(got):
+                at[i] += 1
+            forced[1] += min(got, last.forced)
+            predicted[1] += min(max(got - last.forced, 0), last.predicted)
+
         t_gen = time.perf_counter()
         try:
             for f in () if self._closing else self._facts:
@@ -371,6 +383,7 @@ class Stream:
                         yield held
                         held = None
                     n += 1
+                    got += f.from_draft
                     ev = Event(f.token, self._text.push(piece), f.from_draft, f.logprob, f.top)
                     if self._text.stopped:
                         reason = "stop"
@@ -386,17 +399,15 @@ class Stream:
                     rounds += 1
                     t_d += f.draft_s
                     t_v += f.verify_s
+                    if last is not None:
+                        settle()
+                    last, got = (f, 0) if f.drafted else (None, 0)
                     if f.drafted:
                         drafting += 1
                         drafted += f.drafted
-                        acc += f.accepted
                         forced[0] += f.forced
-                        forced[1] += f.accepted_forced
                         predicted[0] += f.predicted
-                        predicted[1] += f.accepted_predicted
                         at.extend([0] * (f.drafted - len(at)))
-                        for i in range(f.accepted):
-                            at[i] += 1
                 elif type(f) is Prefill:
                     pre = f
                     t_gen = time.perf_counter()
@@ -409,6 +420,8 @@ class Stream:
                 yield replace(held, text=held.text + tail)
         finally:
             self._facts.close()
+            if last is not None:
+                settle()
             self.finish_reason = reason
             self.stats = Stats(finish_reason=reason, prompt_reused=pre.reused if pre else 0,
                                # + the prompt's last token, evaluated with the first round: reused +

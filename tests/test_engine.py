@@ -500,6 +500,24 @@ def test_a_stream_closed_early_is_cancelled_not_stopped(smol_engine):
     assert s.finish_reason == "cancelled" and s.stats.generated == 2 and s.stats.finish_reason == "cancelled"
 
 
+def test_a_stream_ended_mid_round_counts_only_the_draft_tokens_it_emitted(smol_engine):
+    """Closed (or stopped by a stop sequence) inside a round whose draft held, the stream once counted the whole
+    round's accepted tokens, more than it emitted."""
+    prompt = "one two three four five six seven eight nine ten " * 6
+    s = smol_engine.stream(prompt, max_tokens=60, temperature=0, drafter="ngram")
+    got = []
+    for ev in s:
+        got.append(ev)
+        if ev.from_draft:  # the first accepted draft token: the rest of its round is left unread
+            s.close()
+            break
+    assert got and got[-1].from_draft
+    assert s.stats.accepted == sum(e.from_draft for e in got) <= s.stats.generated == len(got)
+    assert s.stats.accepted_at[0] == 1 and sum(s.stats.accepted_at[1:]) == 0
+    r = smol_engine.generate(prompt, max_tokens=60, temperature=0, drafter="ngram", stop=["seven"])
+    assert r.finish_reason == "stop" and r.stats.accepted <= r.stats.generated
+
+
 def test_a_stream_has_close_and_with(smol_engine):
     """The README said close() and a `with` block end a stream; Stream had neither (AttributeError, TypeError)."""
     s = smol_engine.stream("Once upon a time", max_tokens=50, temperature=0, drafter="none")
