@@ -215,7 +215,7 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
             learned.append(drafter)
     if model is not None and (policy == "model4" or (policy.startswith("auto") and drafter.model_may_win(len(prompt)))):
         model.synced = len(prompt) - 1  # prefilled with the prompt, outside the timed generation (as in a run)
-    if g is not None and drafter is not None and policy != "auto":
+    if g is not None and drafter is not None and not policy.startswith("auto"):
         from localspec.drafters import GrammarDrafter
 
         drafter = GrammarDrafter(g, drafter)  # as the engine wraps a fixed drafter under a grammar

@@ -155,6 +155,18 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting_though_its_rates_sti
     assert drafted[0.0] == 60 and drafted[AutoDrafter.CAUTION] < 30
 
 
+def test_the_account_prices_a_failed_draft_as_a_loss_at_temperature_above_zero():
+    """The sampler's time per row is paid per token with or without a draft: counted on the plain side only, it
+    made a failed draft on a GPU (a 17-token verify ~1.3 decodes) look like a gain, and the account never ran a
+    deficit at T > 0."""
+    gpu_sampling = costs(GPU.verify[0], 0.002, sample_row=0.005)
+    a = confident(auto(gpu_sampling, sample_rows=True))
+    d = a.propose(REPEATING, 16)
+    assert len(d.tokens) == 16
+    a.propose(REPEATING + [9999], 16)  # the draft's first token was wrong: the round gave one token
+    assert a.bank < 0
+
+
 def test_a_request_whose_drafts_pay_keeps_the_plain_margin():
     a = confident(auto(INTEL))
     ctx = list(REPEATING)

@@ -504,18 +504,25 @@ def test_a_stream_ended_mid_round_counts_only_the_draft_tokens_it_emitted(smol_e
     """Closed (or stopped by a stop sequence) inside a round whose draft held, the stream once counted the whole
     round's accepted tokens, more than it emitted."""
     prompt = "one two three four five six seven eight nine ten " * 6
-    s = smol_engine.stream(prompt, max_tokens=60, temperature=0, drafter="ngram")
+    rows = []
+    s = smol_engine.stream(prompt, max_tokens=60, temperature=0, drafter="ngram", trace=rows.append)
     got = []
     for ev in s:
         got.append(ev)
         if ev.from_draft:  # the first accepted draft token: the rest of its round is left unread
             s.close()
             break
-    assert got and got[-1].from_draft
-    assert s.stats.accepted == sum(e.from_draft for e in got) <= s.stats.generated == len(got)
+    assert got and got[-1].from_draft and rows[-1]["accepted"] >= 2  # the round held more than was read
+    assert s.stats.accepted == sum(e.from_draft for e in got) == 1 <= s.stats.generated == len(got)
     assert s.stats.accepted_at[0] == 1 and sum(s.stats.accepted_at[1:]) == 0
-    r = smol_engine.generate(prompt, max_tokens=60, temperature=0, drafter="ngram", stop=["seven"])
-    assert r.finish_reason == "stop" and r.stats.accepted <= r.stats.generated
+    inside = 0
+    for stop in ("of 123", "is 123"):  # where this prompt's output ('... The number of 123256 is 123...') drafts
+        rows = []
+        s = smol_engine.stream(prompt, max_tokens=60, temperature=0, drafter="ngram", stop=[stop], trace=rows.append)
+        got = list(s)
+        assert s.finish_reason == "stop" and s.stats.accepted == sum(e.from_draft for e in got)
+        inside += sum(r["accepted"] for r in rows) > s.stats.accepted  # it came inside a round whose draft held
+    assert inside
 
 
 def test_a_stream_has_close_and_with(smol_engine):
