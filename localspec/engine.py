@@ -401,7 +401,7 @@ class Stream:
                     t_v += f.verify_s
                     if last is not None:
                         settle()
-                    last, got = (f, 0) if f.drafted else (None, 0)
+                    last, got = f if f.drafted else None, 0
                     if f.drafted:
                         drafting += 1
                         drafted += f.drafted

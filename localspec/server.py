@@ -530,7 +530,7 @@ def bind(host: str, port: int) -> list[socket.socket]:
                          "give one such as 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
     socks = []
     try:
-        for family, kind, proto, _, addr in dict.fromkeys((i[0], i[1], i[2], "", i[4]) for i in infos):
+        for family, kind, proto, addr in dict.fromkeys((f, k, p, a) for f, k, p, _, a in infos):
             try:
                 socks.append(_listen(family, kind, proto, addr))
             except OSError as e:

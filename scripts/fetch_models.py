@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from localspec.registry import fetch_from_mirror, load_registry  # noqa: E402
+from localspec.registry import RegistryError, fetch_from_mirror, load_registry  # noqa: E402
 
 DEFAULT = ["smollm2-135m-instruct-q4_1", "qwen2.5-coder-0.5b-instruct-q4_k_m", "qwen2.5-coder-1.5b-instruct-q4_k_m"]
 
@@ -24,12 +24,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("names", nargs="*", metavar="NAME", help="a model's name in models.toml")
     names = ap.parse_args(argv).names or DEFAULT
     reg = load_registry()
-    unknown = [n for n in names if n not in reg.models]
-    if unknown:
-        ap.error(f"unknown model {unknown[0]!r}; known models: {', '.join(sorted(reg.models))}")
-    for name in names:
-        path = fetch_from_mirror(reg.model(name))
-        print(f"ok  {name}  {path}")
+    try:
+        specs = [reg.model(name) for name in names]  # every name checked before anything is fetched
+    except RegistryError as e:
+        ap.error(str(e))
+    for name, spec in zip(names, specs):
+        print(f"ok  {name}  {fetch_from_mirror(spec)}")
     return 0
 
 
