@@ -226,6 +226,7 @@ class CallParser:
         self.names, self.parallel = names, parallel
         self.tags = [(fmt.open, fmt.close)] + ([fmt.fence] if fmt.fence else [])
         self._buf, self._open = "", None  # text not yet returned; the tag pair of the call being read
+        self._after_call = False  # whether nothing but whitespace has come since the latest call
         self._bare = True  # whether the text to come may be a bare call (nothing but calls so far)
         self._scan = _Scan()  # how far a bare call's braces have been read (each character once)
         self.calls: list[ToolCall] = []
@@ -243,7 +244,7 @@ class CallParser:
                     call, end = found
                     self.calls.append(call)
                     out.append(call)
-                    self._buf, self._scan = head[end:].lstrip("\n"), _Scan()
+                    self._buf, self._scan, self._after_call = head[end:], _Scan(), True
                     continue
             self._bare = False
             if self._open is None:
@@ -251,15 +252,15 @@ class CallParser:
                 if not hits:
                     keep = max((n for o, _ in self.tags for n in range(1, len(o)) if self._buf.endswith(o[:n])),
                                default=0)
-                    if self.calls and not self._buf[:len(self._buf) - keep].strip():
+                    if self._after_call and not self._buf[:len(self._buf) - keep].strip():
                         return out  # only whitespace since the last call: held
                     if len(self._buf) > keep:
-                        out.append(self._buf[:len(self._buf) - keep])
+                        out.append(self._text(self._buf[:len(self._buf) - keep]))
                     self._buf = self._buf[len(self._buf) - keep:]
                     return out
                 i, self._open = min(hits, key=lambda h: h[0])
-                if i and (self._buf[:i].strip() or not self.calls):  # the line break between calls is not content
-                    out.append(self._buf[:i])
+                if i and (self._buf[:i].strip() or not self._after_call):  # whitespace between calls is not content
+                    out.append(self._text(self._buf[:i]))
                 self._buf = self._buf[i:]
             opening, closing = self._open
             j = self._buf.find(closing, len(opening))
@@ -272,15 +273,23 @@ class CallParser:
             else:
                 self.calls.append(call)
                 out.append(call)
-            self._buf, self._open = self._buf[len(raw):].lstrip("\n") if call else self._buf[len(raw):], None
-            self._bare = call is not None
+            self._buf, self._open = self._buf[len(raw):], None
+            self._bare = self._after_call = call is not None
 
     def finish(self) -> str:
         """What is left at the end, as content; a tagged call left open (the reply was cut short) is markup, not
         content, and is dropped (a fenced block left open is shown: it may be a code block for the reader)."""
-        rest = "" if self._open == self.tags[0] or (self.calls and not self._buf.strip()) else self._buf
+        rest = "" if self._open == self.tags[0] or (self._after_call and not self._buf.strip()) else self._buf
+        rest = self._text(rest) if rest else rest
         self._buf, self._open = "", None
         return rest
+
+    def _text(self, text: str) -> str:
+        """Content about to be returned: the line break a template writes after a call is not content. Cut here,
+        where the text is returned, so that a reply streamed a token at a time reads as the whole one does."""
+        if self._after_call:
+            text, self._after_call = text.lstrip("\n"), False
+        return text
 
 
 def _to_call(body: str, names: set[str]) -> ToolCall | None:

@@ -882,10 +882,29 @@ def test_tool_call_parser_takes_one_call_without_parallel_calls_and_no_trailing_
     assert [type(o).__name__ for o in p.feed(tagged)] == ["ToolCall"]
     assert p.feed("\n") == [] and p.feed(" ") == [] and p.finish() == ""   # held, then dropped
     p = HERMES.parser([{"function": {"name": "f"}}])
-    assert p.feed(tagged)[1:] == [] and p.feed("\nDone.") == ["\nDone."]   # held until text follows
+    assert p.feed(tagged)[1:] == [] and p.feed("\nDone.") == ["Done."]   # held until text follows
     p = HERMES.parser([{"function": {"name": "f"}}])                          # two calls, streamed token by token
     parts = [o for piece in [tagged, "\n", HERMES.open, tagged[len(HERMES.open):], "\n"] for o in p.feed(piece)]
     assert [type(o).__name__ for o in parts + [p.finish()]] == ["ToolCall", "ToolCall", "str"] and p.finish() == ""
+
+
+def test_tool_call_parser_reads_a_streamed_reply_as_the_whole_one():
+    """Whitespace between text and a later call was dropped when they came in different tokens, and the line
+    break after a call was content when it came alone: a streamed reply's content differed from the same reply
+    read whole."""
+    from localspec.tools import HERMES
+
+    tagged = f'{HERMES.open}\n{{"name": "f", "arguments": {{}}}}\n{HERMES.close}'
+    fence = '```json\n{"name": "f", "arguments": {"x": 1}}\n```'
+    bare = '{"name": "f", "arguments": {}}'
+    for text, content in [(f"{tagged}\nSome text {tagged}", "Some text "), (f"a {tagged} b {tagged} c", "a  b  c"),
+                          (f"Intro:\n\n{tagged}\nThen  \n{fence} end", "Intro:\n\nThen  \n end"),
+                          (f"{tagged}\n\n  \n{tagged}\n", ""), (f"{fence}\nand \t{tagged}", "and \t"),
+                          (f"{bare}\n\nDone. {tagged}", "Done. ")]:
+        for pieces in ([text], list(text)):  # whole, and streamed a character at a time
+            p = HERMES.parser([{"function": {"name": "f"}}])
+            out = [o for piece in pieces for o in p.feed(piece)] + [p.finish()]
+            assert ("".join(o for o in out if isinstance(o, str)), len(p.calls)) == (content, 2), (text, pieces)
 
 
 def test_tool_call_parser_takes_a_bare_call_at_the_start_of_a_reply():
