@@ -780,7 +780,7 @@ class Engine:
         TEXT}); stream_options ({"include_usage": true}). Other options as for stream(), except that without
         max_tokens the reply runs until it ends or the context is full (as llama-cpp-python's).
         """
-        from .openai_request import extras, structured
+        from .openai_request import content_stops, extras, structured
         from .openai_shapes import chat_chunks, chat_completion
         from .tools import for_template
 
@@ -792,10 +792,14 @@ class Engine:
         more, _, include_usage = extras(fields, chat=True)
         if options.get("max_tokens") is None and "max_tokens" not in self.defaults:
             options["max_tokens"] = self.target.n_ctx  # as OpenAI and llama-cpp-python: until the context is full
+        stop = ()
+        if fmt is not None:  # calls are parsed: the stop strings end the content, not a call (openai_shapes.Chat)
+            make_request(stop=options.get("stop"))  # refused here as the engine would refuse it
+            stop = content_stops(options)
         s = self.stream(self.chat_tokens(for_template(messages), tools=tools), **(options | extra | more))
         if stream:
-            return chat_chunks(self.name, s, fmt, tools, self.target.piece, include_usage)
-        return chat_completion(self.name, s, fmt, tools, self.target.piece)
+            return chat_chunks(self.name, s, fmt, tools, self.target.piece, include_usage, stop)
+        return chat_completion(self.name, s, fmt, tools, self.target.piece, stop)
 
     def close(self) -> None:
         """Free both models (after the round or prefill chunk in progress, if another thread is generating: its

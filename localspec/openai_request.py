@@ -59,6 +59,7 @@ class ChatRequest:
     tools: list[dict] | None = None  # offered to the model through its chat template
     tool_format: ToolFormat | None = None  # set when the output is to be parsed for tool calls
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
+    stop: tuple[str, ...] = ()  # with tool calls: stop strings end the content, not a call (openai_shapes.Chat)
 
 
 @dataclass
@@ -257,7 +258,16 @@ def parse_chat(body: dict, *, defaults: dict, n_ctx: int, template: str | None, 
     options, names = options | extra | more, names | extra_names | more_names
     check_options(options, names)
     options.setdefault("max_tokens", n_ctx)  # OpenAI: until the context is full
-    return ChatRequest(messages, options, names, bool(body.get("stream")), tools, fmt, include_usage)
+    return ChatRequest(messages, options, names, bool(body.get("stream")), tools, fmt, include_usage,
+                       content_stops(options) if fmt is not None else ())
+
+
+def content_stops(options: dict) -> tuple[str, ...]:
+    """The stop strings, taken out of the engine's options: a reply parsed for tool calls applies them to its
+    content alone (a stop string such as "\\n" would otherwise end the reply inside a call's markup, and the
+    call was lost)."""
+    stop = options.pop("stop", None) or ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def parse_completion(body: dict, *, defaults: dict) -> CompletionRequest:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
+
+from .text import StopStrings
 
 
 def usage(stats) -> dict:
@@ -52,31 +54,70 @@ class Chat:
 
     With a tool-call format, the text is parsed as it comes: content until the model opens a call, then each
     complete call as a `tool_calls` entry (streamed as one delta per call, with its whole arguments), and
-    finish_reason "tool_calls" when the reply made any. With logprobs, each chunk carries the entries of the
-    tokens whose text it sends (choices[].logprobs.content).
+    finish_reason "tool_calls" when the reply made any. Stop strings given here end the reply's content: a
+    call's markup is not content, so a stop string such as "\n" does not cut a call short (the engine then
+    runs without them; `stopped` says when the reply is over, and the caller ends the engine's stream). With
+    logprobs, each chunk carries the entries of the tokens whose text it sends (choices[].logprobs.content).
     """
 
-    def __init__(self, model: str, tool_format=None, tools=None, *, piece=None, include_usage: bool = False):
+    def __init__(self, model: str, tool_format=None, tools=None, *, piece=None, include_usage: bool = False,
+                 stop: Sequence[str] = ()):
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
         self.parser = tool_format.parser(tools) if tool_format is not None else None
         self.lp, self.include_usage = _Logprobs(piece), include_usage
+        self.stops = StopStrings(stop)
+        self.calls: list = []  # the calls sent (a call after a stop string is not)
+        self.parts: list = []  # content and calls so far, for the whole response (add)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string has ended the content: what the engine writes from here on is not sent."""
+        return self.stops.stopped
 
     def _finish(self, stats) -> str:
         """"tool_calls" for a reply that made calls and ended by itself; cut short (length, cancelled), it says so."""
-        calls = self.parser is not None and self.parser.calls
-        return "tool_calls" if calls and stats.finish_reason == "stop" else stats.finish_reason
+        reason = "stop" if self.stopped else stats.finish_reason
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+    def _stats(self, stats) -> dict:
+        return stats.to_dict() | ({"finish_reason": "stop"} if self.stopped else {})
+
+    def _parts(self, text: str, end: bool = False) -> list:
+        """The engine's text as content and calls to send, up to a stop string in the content."""
+        if self.stopped:
+            return []
+        parts = self.parser.feed(text) if self.parser is not None else [text]
+        if end and self.parser is not None:
+            parts.append(self.parser.finish())
+        out = []
+        for p in parts:
+            if isinstance(p, str):
+                out.append(self.stops.push(p))
+                if self.stopped:
+                    break
+            else:  # text held as the possible start of a stop string is content: a call follows it
+                out += [self.stops.flush(), p]
+                self.calls.append(p)
+        if end:
+            out.append(self.stops.flush())
+        return [p for p in out if p != ""]
+
+    def add(self, ev) -> None:
+        """One event of a whole (not streamed) response."""
+        if not self.stopped:
+            self.lp.add(ev)
+            self.parts += self._parts(ev.text)
 
     def response(self, events: Iterable, stats) -> dict:
-        text = ""
+        """The chat.completion object of the events given here (until a stop string) and those add()ed."""
         for ev in events:
-            text += ev.text
-            self.lp.add(ev)
-        content, calls = text, []
-        if self.parser is not None:
-            parts = self.parser.feed(text) + [self.parser.finish()]
-            content = "".join(p for p in parts if isinstance(p, str))
-            content = content.strip() if self.parser.calls else content
-            calls = [c.to_openai() for c in self.parser.calls]
+            if self.stopped:
+                break
+            self.add(ev)
+        parts = self.parts + self._parts("", end=True)
+        content = "".join(p for p in parts if isinstance(p, str))
+        calls = [c.to_openai() for c in self.calls]
+        content = content.strip() if calls else content
         message = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
@@ -84,7 +125,7 @@ class Chat:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": message, "logprobs": {"content": entries} if entries else None,
                              "finish_reason": self._finish(stats)}],
-                "usage": usage(stats), "localspec": stats.to_dict()}
+                "usage": usage(stats), "localspec": self._stats(stats)}
 
     def _chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
         entries = self.lp.take()
@@ -102,19 +143,21 @@ class Chat:
                 if p:
                     out.append(self._chunk({"content": p}))
             else:
-                index = self.parser.calls.index(p)
+                index = self.calls.index(p)
                 out.append(self._chunk({"tool_calls": [{"index": index, **p.to_openai()}]}))
         return out
 
     def chunks(self, ev) -> list[dict]:
+        if self.stopped:
+            return []
         self.lp.add(ev)
         if not ev.text:
             return []
-        return self._deltas(self.parser.feed(ev.text) if self.parser is not None else [ev.text])
+        return self._deltas(self._parts(ev.text))
 
     def final_chunks(self, stats) -> list[dict]:
-        rest = self._deltas([self.parser.finish()]) if self.parser is not None else []
-        done = self._chunk({}, self._finish(stats), localspec=stats.to_dict())  # usage: below, if asked for
+        rest = self._deltas(self._parts("", end=True))
+        done = self._chunk({}, self._finish(stats), localspec=self._stats(stats))  # usage: below, if asked for
         if not self.include_usage:
             return rest + [done]
         return rest + [done, {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -128,6 +171,7 @@ class Completion:
     def __init__(self, model: str, *, piece=None, include_usage: bool = False):
         self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
         self.lp, self.include_usage, self.offset = _Logprobs(piece), include_usage, 0
+        self.text = ""
 
     def _legacy(self) -> dict | None:
         entries = self.lp.take()
@@ -145,12 +189,18 @@ class Completion:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": self._legacy(), "finish_reason": finish}], **extra}
 
+    stopped = False  # stop strings are the engine's here
+
+    def add(self, ev) -> None:
+        """One event of a whole (not streamed) response."""
+        self.text += ev.text
+        self.lp.add(ev)
+
     def response(self, events: Iterable, stats) -> dict:
-        text = ""
+        """The text_completion object of the events given here and those add()ed."""
         for ev in events:
-            text += ev.text
-            self.lp.add(ev)
-        return self._obj(text, stats.finish_reason, usage=usage(stats), localspec=stats.to_dict())
+            self.add(ev)
+        return self._obj(self.text, stats.finish_reason, usage=usage(stats), localspec=stats.to_dict())
 
     def first_chunks(self) -> list[dict]:
         return []
@@ -167,15 +217,26 @@ class Completion:
                        "choices": [], "usage": usage(stats)}]
 
 
-def chat_completion(model: str, stream, tool_format=None, tools=None, piece=None) -> dict:
-    events = list(stream)
-    return Chat(model, tool_format, tools, piece=piece).response(events, stream.stats)
+def _read(stream, shape) -> Iterator:
+    """The stream's events, until the shape's stop strings end the reply (the stream is then closed)."""
+    for e in stream:
+        yield e
+        if shape.stopped:
+            stream.close()
+            return
+
+
+def chat_completion(model: str, stream, tool_format=None, tools=None, piece=None, stop: Sequence[str] = ()) -> dict:
+    shape = Chat(model, tool_format, tools, piece=piece, stop=stop)
+    for e in _read(stream, shape):
+        shape.add(e)
+    return shape.response((), stream.stats)
 
 
 def chat_chunks(model: str, stream, tool_format=None, tools=None, piece=None,
-                include_usage: bool = False) -> Iterator[dict]:
-    shape = Chat(model, tool_format, tools, piece=piece, include_usage=include_usage)
+                include_usage: bool = False, stop: Sequence[str] = ()) -> Iterator[dict]:
+    shape = Chat(model, tool_format, tools, piece=piece, include_usage=include_usage, stop=stop)
     yield from shape.first_chunks()
-    for e in stream:
+    for e in _read(stream, shape):
         yield from shape.chunks(e)
     yield from shape.final_chunks(stream.stats)

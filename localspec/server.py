@@ -344,7 +344,8 @@ class App:
     async def chat(self, request: Request) -> Response:
         req = await self._parsed(request, self._parse_chat)
         llm = self.engine
-        shape = Chat(llm.name, req.tool_format, req.tools, piece=llm.target.piece, include_usage=req.include_usage)
+        shape = Chat(llm.name, req.tool_format, req.tools, piece=llm.target.piece, include_usage=req.include_usage,
+                     stop=req.stop)
         return await self._run(request, Job("chat", req), shape, req.stream)
 
     async def completions(self, request: Request) -> Response:
@@ -366,13 +367,14 @@ class App:
             if stream:
                 handed_over = True
                 return _EventStream(self._events(job, gone, shape))
-            events = []
             while (item := await job.next(gone)) is not None:
                 what, value = item
                 if what == "event":
-                    events.append(value)
+                    shape.add(value)
+                    if shape.stopped:  # a stop string ended the reply's content: the generation ends here
+                        self.worker.cancel(job)
                 elif what == "end":
-                    return JSONResponse(shape.response(events, value))
+                    return JSONResponse(shape.response((), value))
                 else:
                     raise value
             return Response(status_code=499)
@@ -390,6 +392,8 @@ class App:
                 if what == "event":
                     for c in shape.chunks(value):
                         yield _sse(c)
+                    if shape.stopped:  # a stop string ended the reply's content: the generation ends here
+                        self.worker.cancel(job)
                     continue
                 if what == "end":
                     for c in shape.final_chunks(value):

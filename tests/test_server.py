@@ -722,6 +722,33 @@ def test_tools_auto_calls_when_asked_and_answers_in_prose_when_not(qwen_server):
     assert r.choices[0].message.content and "<tool_call>" not in r.choices[0].message.content
 
 
+def test_a_stop_string_ends_the_content_not_a_call(qwen_server):
+    """stop ["\\n"] with tools: Qwen writes '<tool_call>\\n{...}', and the stop string ended the reply inside
+    the call's markup: it came back with neither content nor a call."""
+    client = qwen_server.client()
+    ask = [{"role": "user", "content": "What's the weather in Paris right now?"}]
+    r = client.chat.completions.create(model="any", messages=ask, tools=[WEATHER, TIME], max_tokens=96, stop=["\n"])
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(model="any", messages=ask, tools=[WEATHER, TIME], max_tokens=96,
+                                                 stop="\n", stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    # in the content, the stop string ends the reply, and the generation with it (not at max_tokens)
+    poem = [{"role": "user", "content": "Write a four-line poem about the sea."}]
+    for stream in (False, True):
+        more = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        r = client.chat.completions.create(model="any", messages=poem, tools=[WEATHER, TIME], max_tokens=96,
+                                           stop=["\n"], **more)
+        if stream:
+            r = list(r)
+            content = "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            finish, used = [c.choices[0].finish_reason for c in r if c.choices][-1], r[-1].usage.completion_tokens
+        else:
+            content, finish, used = r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+        assert content and "\n" not in content and finish == "stop" and used < 60, (content, used)
+
+
 def test_tools_required_named_and_streamed(qwen_server):
     client = qwen_server.client()
     ask = [{"role": "user", "content": "I am flying to Tokyo tomorrow."}]
@@ -973,6 +1000,57 @@ def test_a_reply_cut_short_inside_a_call_says_length_and_shows_no_markup():
     stats.finish_reason = "stop"
     assert Chat("m", fmt, tools).response(events[:text.index("\n<tool_call>\n{\"name\": \"g")], stats)[
         "choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_stop_strings_end_a_replys_content_not_its_calls():
+    """A stop string such as "\\n" ended a reply inside its call's markup ('<tool_call>\\n{...'): the call was
+    dropped and the reply said "stop" with nothing in it. With calls parsed, stop strings end the content."""
+    from localspec.engine import Event
+    from localspec.openai_shapes import Chat, chat_completion
+    from localspec.tools import FORMATS
+
+    fmt, tools = FORMATS[0], [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+    def stats(reason):
+        return SimpleNamespace(finish_reason=reason, to_dict=lambda: {"finish_reason": reason}, prompt_tokens=5,
+                               generated=20, prompt_reused=0, accepted_prediction=0, drafted_prediction=0)
+
+    # the engine's finish_reason: a stop string in the content cancels the engine's stream
+    for text, stop, content, calls, finish, ended in [
+            (call, ["\n"], None, ["f"], "tool_calls", "stop"),
+            (f"Sure. {call}\nDone. Bye", ["."], "Sure", [], "stop", "cancelled"),   # the content ends first
+            (f"xa{call}\nab", ["ab"], "xa", ["f"], "tool_calls", "cancelled"),     # 'a' held: a call follows
+            (f"x\n{call}", ["\n"], "x", [], "stop", "cancelled")]:
+        events = [Event(0, ch, False) for ch in text]
+        engine = stats(ended)
+        r = Chat("m", fmt, tools, stop=stop).response(events, engine)
+        assert r["choices"][0]["message"]["content"] == content, text
+        assert [c["function"]["name"] for c in r["choices"][0]["message"].get("tool_calls", [])] == calls
+        assert r["choices"][0]["finish_reason"] == finish and r["localspec"]["finish_reason"] in ("stop", "cancelled")
+        shape = Chat("m", fmt, tools, stop=stop)
+        chunks = [c for ev in events for c in shape.chunks(ev)] + shape.final_chunks(engine)
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("content") or "" for d in deltas).strip() == (content or "")
+        assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == calls
+        assert chunks[-1]["choices"][0]["finish_reason"] == finish
+
+    class Stream:  # the engine's stream: read until the stop string, then closed
+        def __init__(self, text):
+            self.text, self.read, self.closed, self.stats = text, 0, False, stats("cancelled")
+
+        def __iter__(self):
+            for ch in self.text:
+                self.read += 1
+                yield Event(0, ch, False)
+
+        def close(self):
+            self.closed = True
+
+    s = Stream(f"Sure. Bye {call}")
+    r = chat_completion("m", s, fmt, tools, stop=[". "])
+    assert s.closed and s.read == len("Sure. ") and r["choices"][0]["message"]["content"] == "Sure"
+    assert r["choices"][0]["finish_reason"] == r["localspec"]["finish_reason"] == "stop"
 
 
 def test_a_template_that_fails_on_odd_input_is_a_chat_error():
