@@ -56,7 +56,7 @@ class Chat:
     complete call as a `tool_calls` entry (streamed as one delta per call, with its whole arguments), and
     finish_reason "tool_calls" when the reply made any. Stop strings given here end the reply's content: a
     call's markup is not content, so a stop string such as "\n" does not cut a call short (the engine then
-    runs without them; `stopped` says when the reply is over, and the caller ends the engine's stream). With
+    runs without them; `stopped` says when the reply is over, and the engine's reader ends its stream there). With
     logprobs, each chunk carries the entries of the tokens whose text it sends (choices[].logprobs.content).
     """
 
@@ -101,6 +101,12 @@ class Chat:
         if end:
             out.append(self.stops.flush())
         return [p for p in out if p != ""]
+
+    def ends(self, text: str) -> bool:
+        """Whether `text`, the engine's next, ends the reply's content with a stop string: for the reader that
+        stops the generation there (the server's worker), apart from the shape that sends the reply."""
+        self._parts(text)
+        return self.stopped
 
     def add(self, ev) -> None:
         """One event of a whole (not streamed) response."""

@@ -182,9 +182,15 @@ class Worker:
             return
         job.put(("start", None))
         events = iter(stream)
+        # with tool calls parsed, the stop strings end the content (openai_shapes.Chat): the stream ends at the
+        # token that completes one, here, so that the reply's usage counts only the tokens it read
+        gate = Chat("", job.req.tool_format, job.req.tools, stop=job.req.stop) if job.kind == "chat" and \
+            job.req.stop else None
         try:
             for ev in events:
                 job.put(("event", ev))
+                if gate is not None and gate.ends(ev.text):
+                    break
         except GrammarError as e:  # the request's own constraint gave out midway (llguidance's limits)
             log.info("%s: %s", job.kind, e)
             job.put(("error", bad_request(e, job.req.names, job.prompt_param)))
@@ -371,8 +377,6 @@ class App:
                 what, value = item
                 if what == "event":
                     shape.add(value)
-                    if shape.stopped:  # a stop string ended the reply's content: the generation ends here
-                        self.worker.cancel(job)
                 elif what == "end":
                     return JSONResponse(shape.response((), value))
                 else:
@@ -392,8 +396,6 @@ class App:
                 if what == "event":
                     for c in shape.chunks(value):
                         yield _sse(c)
-                    if shape.stopped:  # a stop string ended the reply's content: the generation ends here
-                        self.worker.cancel(job)
                     continue
                 if what == "end":
                     for c in shape.final_chunks(value):
