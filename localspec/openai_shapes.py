@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .text import StopStrings
 
@@ -114,12 +114,8 @@ class Chat:
             self.lp.add(ev)
             self.parts += self._parts(ev.text)
 
-    def response(self, events: Iterable, stats) -> dict:
-        """The chat.completion object of the events given here (until a stop string) and those add()ed."""
-        for ev in events:
-            if self.stopped:
-                break
-            self.add(ev)
+    def response(self, stats) -> dict:
+        """The chat.completion object of the events add()ed."""
         parts = self.parts + self._parts("", end=True)
         content = "".join(p for p in parts if isinstance(p, str))
         calls = [c.to_openai() for c in self.calls]
@@ -195,17 +191,13 @@ class Completion:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "text": text, "logprobs": self._legacy(), "finish_reason": finish}], **extra}
 
-    stopped = False  # stop strings are the engine's here
-
     def add(self, ev) -> None:
         """One event of a whole (not streamed) response."""
         self.text += ev.text
         self.lp.add(ev)
 
-    def response(self, events: Iterable, stats) -> dict:
-        """The text_completion object of the events given here and those add()ed."""
-        for ev in events:
-            self.add(ev)
+    def response(self, stats) -> dict:
+        """The text_completion object of the events add()ed."""
         return self._obj(self.text, stats.finish_reason, usage=usage(stats), localspec=stats.to_dict())
 
     def first_chunks(self) -> list[dict]:
@@ -236,7 +228,7 @@ def chat_completion(model: str, stream, tool_format=None, tools=None, piece=None
     shape = Chat(model, tool_format, tools, piece=piece, stop=stop)
     for e in _read(stream, shape):
         shape.add(e)
-    return shape.response((), stream.stats)
+    return shape.response(stream.stats)
 
 
 def chat_chunks(model: str, stream, tool_format=None, tools=None, piece=None,

@@ -378,7 +378,7 @@ class App:
                 if what == "event":
                     shape.add(value)
                 elif what == "end":
-                    return JSONResponse(shape.response((), value))
+                    return JSONResponse(shape.response(value))
                 else:
                     raise value
             return Response(status_code=499)

@@ -280,7 +280,7 @@ class CallParser:
         """What is left at the end, as content; a tagged call left open (the reply was cut short) is markup, not
         content, and is dropped (a fenced block left open is shown: it may be a code block for the reader)."""
         rest = "" if self._open == self.tags[0] or (self._after_call and not self._buf.strip()) else self._buf
-        rest = self._text(rest) if rest else rest
+        rest = self._text(rest)
         self._buf, self._open = "", None
         return rest
 

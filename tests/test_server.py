@@ -982,6 +982,13 @@ def test_a_bad_tool_schema_names_its_tool():
         assert "tagged" not in str(e.value) and len(str(e.value)) < 400
 
 
+def whole(shape, events, stats) -> dict:
+    """The whole (not streamed) response of `shape` to these events."""
+    for ev in events:
+        shape.add(ev)
+    return shape.response(stats)
+
+
 def test_a_reply_cut_short_inside_a_call_says_length_and_shows_no_markup():
     """max_tokens ending a reply inside its second call: finish_reason said "tool_calls" and the half-written
     '<tool_call>{"name": ...' came back as content, to be shown to the user."""
@@ -994,7 +1001,7 @@ def test_a_reply_cut_short_inside_a_call_says_length_and_shows_no_markup():
     stats = SimpleNamespace(finish_reason="length", to_dict=lambda: {}, prompt_tokens=5, generated=20,
                             prompt_reused=0, accepted_prediction=0, drafted_prediction=0)
     events = [Event(0, ch, False) for ch in text]
-    r = Chat("m", fmt, tools).response(events, stats)["choices"][0]
+    r = whole(Chat("m", fmt, tools), events, stats)["choices"][0]
     assert r["finish_reason"] == "length" and r["message"]["content"] == "Sure."
     assert [c["function"]["name"] for c in r["message"]["tool_calls"]] == ["f"]
     shape = Chat("m", fmt, tools)
@@ -1002,7 +1009,7 @@ def test_a_reply_cut_short_inside_a_call_says_length_and_shows_no_markup():
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks).strip() == "Sure."
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in chunks[-1]  # not asked for
     stats.finish_reason = "stop"
-    assert Chat("m", fmt, tools).response(events[:text.index("\n<tool_call>\n{\"name\": \"g")], stats)[
+    assert whole(Chat("m", fmt, tools), events[:text.index("\n<tool_call>\n{\"name\": \"g")], stats)[
         "choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -1028,7 +1035,7 @@ def test_stop_strings_end_a_replys_content_not_its_calls():
             (f"x\n{call}", ["\n"], "x", [], "stop", "cancelled")]:
         events = [Event(0, ch, False) for ch in text]
         engine = stats(ended)
-        r = Chat("m", fmt, tools, stop=stop).response(events, engine)
+        r = whole(Chat("m", fmt, tools, stop=stop), events, engine)
         assert r["choices"][0]["message"]["content"] == content, text
         assert [c["function"]["name"] for c in r["choices"][0]["message"].get("tool_calls", [])] == calls
         assert r["choices"][0]["finish_reason"] == finish and r["localspec"]["finish_reason"] in ("stop", "cancelled")
