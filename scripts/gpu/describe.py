@@ -3,8 +3,9 @@ and type, in file order, without the weights. Arrays that all the models share (
 are stored once. The result is small JSON, xz-compressed.
 
     python scripts/gpu/describe.py scripts/gpu/qwen2.5-coder.json.xz \
-        target=~/.cache/localspec/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
-        draft=~/.cache/localspec/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+        target=.../qwen2.5-coder-1.5b-instruct-q4_k_m.gguf draft=.../qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+
+(`localspec pull NAME` prints where a model's file is.)
 """
 from __future__ import annotations
 
