@@ -85,7 +85,7 @@ def generation_options(f):
         click.option("--frequency-penalty", type=float, default=sd["frequency_penalty"], show_default=True),
         click.option("--presence-penalty", type=float, default=sd["presence_penalty"], show_default=True),
         click.option("--seed", type=int, help="Makes a sampled run reproducible: the same seed gives the same text "
-                     "whatever was drafted (the stats show the seed a run used)."),
+                     "whatever was drafted (a sampled run says its seed on stderr)."),
         click.option("--stop", multiple=True, help="Stop string (not emitted); repeatable."),
     ]
     for o in reversed(opts):
@@ -264,7 +264,9 @@ def generate(prompt, chat, system, as_json, prediction_file, trace_path, **kw):
                                    "finish_reason": stream.finish_reason, "stats": stream.stats.to_dict()}))
         else:
             click.echo("")
-            click.echo(stream.stats.line(), err=True)
+            sampled = gen_kw.get("temperature", 0) > 0  # then the seed makes the text: said, to run it again
+            click.echo(stream.stats.line() + (f"\nseed {stream.stats.seed} (--seed {stream.stats.seed} gives this text "
+                                              "again)" if sampled else ""), err=True)
 
 
 @cli.command()

@@ -22,6 +22,18 @@ def test_generate_streams_text_and_prints_stats(smol_path):
     assert "tok/s" in r.stderr and "lossless" in r.stderr and "drafter auto" in r.stderr
 
 
+def test_a_sampled_run_says_its_seed_and_that_seed_gives_its_text_again(smol_path):
+    """--seed's help said the stats show the seed a run used; the stats line did not (only --json had it)."""
+    args = ("generate", "--target", smol_path, "--draft", smol_path, "Once upon a time", "--max-tokens", "24")
+    first = localspec(*args)
+    assert first.returncode == 0, first.stderr
+    seed = int(first.stderr.split("\nseed ")[1].split()[0])
+    again = localspec(*args, "--seed", seed)
+    assert again.returncode == 0 and again.stdout == first.stdout and f"\nseed {seed} " in again.stderr
+    greedy = localspec(*args, "--temperature", "0")
+    assert greedy.returncode == 0 and "seed" not in greedy.stderr  # a greedy run's text has no seed in it
+
+
 def test_generate_json_from_stdin(smol_path, tmp_path):
     r = localspec("generate", "-", "--target", smol_path, "--json", "--temperature", "0", "--max-tokens", "6",
                   "--drafter", "ngram", "--trace", tmp_path / "t.jsonl", stdin="The capital of France is")
