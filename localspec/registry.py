@@ -309,16 +309,25 @@ def _read_verify_log() -> dict:
         return {}
 
 
+def _write_json(path: Path, obj) -> None:
+    """Replace path with obj as JSON, atomically: a reader sees the old record or the new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=0)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _write_verify_log(entries: dict) -> None:
     """Atomically replace the log (a lost update between two processes only costs a re-hash later)."""
     log = _verify_log()
     try:
         log.parent.mkdir(parents=True, exist_ok=True)
-        entries = {k: v for k, v in entries.items() if os.path.exists(k)}
-        fd, tmp = tempfile.mkstemp(dir=log.parent, prefix=".verified.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f, indent=0)
-        os.replace(tmp, log)
+        _write_json(log, {k: v for k, v in entries.items() if os.path.exists(k)})
     except OSError:
         pass  # a read-only home only means hashing again next time
 
@@ -553,12 +562,9 @@ def _drop_partials(spec: ModelSpec, keep: Path | None = None) -> None:
     when they hold another revision's bytes; and, once it is in place (keep None), the mirror's kept parts.
     Called with the file's lock held."""
     dest = own_path(spec)
-    left = [*dest.parent.glob(f"{glob.escape(dest.name)}.*.download")]
-    if keep is None:
-        left += [*dest.parent.glob(f"{glob.escape(dest.name)}.*.part"),
-                 *dest.parent.glob(f"{glob.escape(dest.name)}.*.parts")]
-    for p in left:
-        if p != keep:
+    ends = (".download",) if keep is not None else (".download", ".part", ".parts")
+    for p in dest.parent.glob(f"{glob.escape(dest.name)}.*"):
+        if p.suffix in ends and p != keep:
             with contextlib.suppress(OSError):
                 p.unlink()
 
@@ -717,19 +723,6 @@ def _assemble(spec: ModelSpec, dest: Path, log) -> None:
             for p in (part, record):
                 with contextlib.suppress(OSError):
                     p.unlink(missing_ok=True)
-
-
-def _write_json(path: Path, obj) -> None:
-    """Replace path with obj as JSON, atomically: a reader sees the old record or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _parts_done(part: Path, record: Path, parts: int) -> tuple[int, int] | None:

@@ -306,17 +306,16 @@ def test_a_disk_without_room_is_said_so_before_downloading_and_the_mirror_is_not
     assert not index.requests and trusted_leftovers(tmp_path) == []
 
 
+def twin_toml(repo: str, revision: str) -> str:
+    """models.toml for `twin`: SmolLM2's file name in `repo` at `revision`, other bytes."""
+    return (f'[models.twin]\nrepo = "{repo}"\nfile = "{SMOL_SPEC.file}"\nrevision = "{revision}"\nsize = 1000\n'
+            f'sha256 = "{"0" * 64}"\n')
+
+
 def test_files_of_one_name_from_two_repositories_are_both_kept(user_models, tmp_path, smol_path):
     """Two repositories' model.gguf: the second was refused (localspec kept one file per name), though a user
     cannot rename a repository's file."""
-    user_models.write_text(f'''
-[models.twin]
-repo = "Someone/Else"
-file = "{SMOL_SPEC.file}"
-revision = "main"
-size = 1000
-sha256 = "{"0" * 64}"
-''')
+    user_models.write_text(twin_toml("Someone/Else", "main"))
     reg = registry.load_registry()
     twin, smol = reg.model("twin"), reg.model(SMOL)
     assert registry.own_path(twin) == ours(tmp_path, "Someone/Else") / SMOL_SPEC.file != registry.own_path(smol)
@@ -329,14 +328,7 @@ sha256 = "{"0" * 64}"
 
 
 def test_two_revisions_of_one_repository_file_are_refused_not_left_to_delete_each_other(user_models):
-    user_models.write_text(f'''
-[models.twin]
-repo = "{SMOL_SPEC.repo.lower()}"
-file = "{SMOL_SPEC.file}"
-revision = "other"
-size = 1000
-sha256 = "{"0" * 64}"
-''')
+    user_models.write_text(twin_toml(SMOL_SPEC.repo.lower(), "other"))
     with pytest.raises(RegistryError, match=f"'{SMOL}' and 'twin' pin different bytes \\(revisions\\) of "
                                             f"{SMOL_SPEC.repo.lower()}/{SMOL_SPEC.file}"):
         registry.load_registry()            # (its repo id in other case: one folder on macOS and Windows disks)
