@@ -46,9 +46,11 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     flash_attn: 'auto', 'on' or 'off'. type_k/type_v: KV cache type ('f16', 'q8_0', 'q4_0', ...).
     exact: make the target's batched and single-token logits bit-identical, so speculative greedy output
     equals plain greedy output token for token (and a reused prefix gives the same logits as a fresh
-    prefill): no CPU weight repacking, 32-token physical batches, and the flash-attention setting that a
-    probe on this machine finds batch-invariant (cached); refused with the measured difference and the fix
-    when no setting is. Plain decode is ~25% slower. The draft model is made exact the same way (so a
+    prefill): no CPU weight repacking, 32-token physical batches, ggml's tiled matmul off for the process
+    (GGML_CPU_TILED_MM=0, where no model has run yet), and the flash-attention setting that a probe on this
+    machine finds batch-invariant at every verify width over the whole context (once per settings, cached);
+    refused with the cells that differ and the fix when no setting is (on some CPUs the fix is a build of
+    llama-cpp-python without llamafile). Plain decode is ~10-25% slower. The draft model is made exact the same way (so a
     seeded request at T > 0 drafts the same whatever else the engine ran), or said on stderr where it
     cannot be.
     target_kwargs/draft_kwargs: any other llama_model_params / llama_context_params field by name.
@@ -100,7 +102,9 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
         memory.check_fits(est, memory.available_memory())
     if exact:
         from .calibrate import exact_flash_attn
+        from .model import exact_matmuls
 
+        exact_matmuls()
         say = lambda m: print(f"localspec: {m}", file=sys.stderr, flush=True)  # noqa: E731
         tcfg = replace(tcfg, flash_attn=exact_flash_attn(check_gguf(target), tcfg, registry.home() / "calibration",
                                                          log=say))

@@ -109,6 +109,30 @@ FLASH_ATTN = {"auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": L.LLAMA_FLASH_ATTN_TYP
 _SETTABLE = (ctypes.c_bool, ctypes.c_int, ctypes.c_int32, ctypes.c_uint32, ctypes.c_float, ctypes.c_size_t)
 
 
+# ggml's tiled K-quant matmul (batches of 8 rows and more) sums in another order than a single-token decode, so
+# exact mode turns it off. ggml reads GGML_CPU_TILED_MM once per process, when it plans its first graph: the
+# value it had when this process made its first context is the one in effect.
+_first_context_tiled: str | None = None
+_made_context = False
+
+
+def tiled_matmul_setting() -> str:
+    """Whether ggml's tiled matmul is on in this process ('1', ggml's default) or off ('0'), as ggml reads
+    GGML_CPU_TILED_MM (C's atoi: any value that is not a non-zero number turns it off)."""
+    v = _first_context_tiled if _made_context else os.environ.get("GGML_CPU_TILED_MM")
+    if v is None:
+        return "1"
+    m = re.match(r"\s*([+-]?\d+)", v)
+    return "1" if m and int(m.group(1)) != 0 else "0"
+
+
+def exact_matmuls() -> None:
+    """Turn ggml's tiled matmul off for this process where nothing was computed yet and the user has not
+    set it (exact mode's probe then finds whether that sufficed)."""
+    if not _made_context:
+        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+
 def default_threads() -> int:
     """All cores on small machines; half on large ones, where half are usually SMT siblings or E-cores."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -328,6 +352,9 @@ class Model:
             raise ModelError(f"{self.path.name} is a recurrent or hybrid model (Mamba, RWKV, ...): its state cannot "
                              "be rolled back to an earlier position, which speculative decoding needs; "
                              "use a transformer model")
+        global _made_context, _first_context_tiled
+        if not _made_context:
+            _made_context, _first_context_tiled = True, os.environ.get("GGML_CPU_TILED_MM")
         with _interrupt_after(self.close):
             self._ctx = L.llama_init_from_model(self._model, cp)
         if not self._ctx:

@@ -1,12 +1,17 @@
 """Shared fixtures: real model files (fetched by scripts/fetch_models.py) and fake models for tier 1."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from localspec import registry
+# Exact mode turns ggml's tiled matmul off for the process, but only where no model has run yet (ggml reads the
+# setting once): the suite loads plain models before exact ones, so it is off for the whole session.
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+from localspec import registry  # noqa: E402
 
 
 def _shipped(name: str) -> Path:
@@ -102,3 +107,11 @@ def onehot(n_vocab: int, t: int, scale: float = 10.0) -> np.ndarray:
     row = np.zeros(n_vocab, dtype=np.float32)
     row[t] = scale
     return row
+
+
+def pytest_report_header(config):
+    from localspec.calibrate import system_info
+
+    if "LLAMAFILE = 1" in system_info():
+        return ("llama-cpp-python was built with llamafile's sgemm: on many CPUs exact mode is then refused and the "
+                "exactness tests fail; build it as the README's test section says (CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\")")

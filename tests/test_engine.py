@@ -253,14 +253,41 @@ def test_exact_mode_probes_the_machine_and_refuses_what_it_cannot_keep(smol_path
 
     cfg = ModelConfig(n_ctx=512, exact=True)
     fa = cal.exact_flash_attn(smol_path, cfg, tmp_path)
-    assert cal.probe_exact(smol_path, cfg, fa) == 0.0  # the chosen setting really is bit-identical
+    assert cal.probe_exact(smol_path, cfg, fa) == []  # the chosen setting really is bit-identical
     calls = []
-    monkeypatch.setattr(cal, "probe_exact", lambda *a: calls.append(a) or 0.0)
+    monkeypatch.setattr(cal, "probe_exact", lambda *a: calls.append(a) or [])
     assert cal.exact_flash_attn(smol_path, cfg, tmp_path) == fa and calls == []  # cached
-    monkeypatch.setattr(cal, "probe_exact", lambda path, cfg, fa: {"off": 0.43, "on": 0.44}[fa])
-    with pytest.raises(ModelError, match=r"0\.43 with flash attention off, 0\.44 with flash attention on.*"
-                                         r"GGML_LLAMAFILE=OFF"):
+    assert cal.exact_flash_attn(smol_path, ModelConfig(n_ctx=256, exact=True), tmp_path) == fa and calls == []
+    cal.exact_flash_attn(smol_path, ModelConfig(n_ctx=1024, exact=True), tmp_path)  # deeper than it vouched for
+    assert [c[1].n_ctx for c in calls] == [1024]
+    found = {"off": [cal.Cell(64, 8, 0.43), cal.Cell(64, 9, 0.43), cal.Cell(64, 16, 0.5)],
+             "on": [cal.Cell(256, 2, 0.44)]}
+    monkeypatch.setattr(cal, "probe_exact", lambda path, cfg, fa, log=None: found[fa])
+    with pytest.raises(ModelError, match=r"flash attention off: 64 tokens deep, widths 8-9, 16 \(max \|diff\| 0\.5\); "
+                                         r"flash attention on: 256 tokens deep, widths 2 \(max \|diff\| 0\.44\).*Fix: "):
         cal.exact_flash_attn(smol_path, cfg, tmp_path, force=True)
+    # a difference deeper than a context reaches does not refuse it; one within it does
+    found["off"] = [cal.Cell(1000, 4, 0.4)]
+    assert cal.exact_flash_attn(smol_path, ModelConfig(n_ctx=512, exact=True), tmp_path, force=True) == "off"
+    with pytest.raises(ModelError, match="1000 tokens deep"):
+        cal.exact_flash_attn(smol_path, ModelConfig(n_ctx=1100, exact=True), tmp_path)
+
+
+def test_the_exact_probe_looks_deep_where_kernels_change(smol_path, tmp_path):
+    """The first probe (a 5-token verify ~50 tokens deep) passed flash attention on; on this CPU kind the
+    kernel splits a cache of 512 cells and more across threads for a single token, and the logits differ from
+    256 tokens deep on. The probe now reads every width at depths over the whole context, and refuses."""
+    import localspec.calibrate as cal
+    from localspec.model import ModelConfig
+
+    assert cal.probe_depths(4096) == (64, 256, 1024, 4064) and cal.probe_depths(300) == (64, 256, 268)
+    cells = cal.probe_exact(smol_path, ModelConfig(n_ctx=300, exact=True), "off")
+    assert cells == []
+    cells = cal.probe_exact(smol_path, ModelConfig(n_ctx=300, exact=True), "on")
+    if cells:  # (a CPU whose flash-attention kernel is batch-invariant would pass: then nothing to refuse)
+        assert {c.depth for c in cells} == {256} and {c.width for c in cells} >= {2, 5, 8, 32}
+        with pytest.raises(ModelError, match="flash attention on: 256 tokens deep, widths 2-"):
+            cal.exact_flash_attn(smol_path, ModelConfig(n_ctx=300, flash_attn="on", exact=True), tmp_path)
 
 
 def test_logprobs_are_the_targets_log_softmax(smol_engine):

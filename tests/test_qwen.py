@@ -138,3 +138,28 @@ def test_exact_logprobs_of_a_speculative_run_equal_a_plain_runs(exact_pair):
             assert abs(lp_a - lp_b) <= 1e-4
             assert [t for t, _ in top_a] == [t for t, _ in top_b]
             assert max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) <= 1e-4
+
+
+def test_exact_holds_deep_in_the_context_or_refuses(qwen_paths, capfd):
+    """Exact mode's first probe looked at one 5-token verify ~50 tokens deep and passed on an AMD EPYC where
+    logits differ at 8-token verifies (ggml's tiled matmul) and ~400 tokens deep (flash attention's split
+    cache): the output then left plain's at token 78 of an explanation. Now the probe covers every verify
+    width over the whole context: exact mode either loads and equals plain token for token ~650 tokens deep,
+    with drafts as wide as 16 tokens, or refuses at load with the cells that differ and the fix."""
+    from pathlib import Path
+
+    try:
+        llm = localspec.load(target=qwen_paths[0], draft=qwen_paths[1], n_ctx=1024, exact=True)
+    except localspec.ModelError as e:
+        assert "tokens deep, widths" in str(e) and "Fix:" in str(e), e
+        return
+    with llm:
+        prompt = llm.chat_tokens([{"role": "user", "content": (Path(__file__).parent / "deep_prompt.txt").read_text()}])
+        assert len(prompt) > 450
+        plain = llm.generate(prompt, max_tokens=200, temperature=0, drafter="none")
+        for drafter, k in (("ngram", 16), ("model", 8), ("auto", 16)):
+            spec = llm.generate(prompt, max_tokens=200, temperature=0, drafter=drafter, k=k, p_min=0.0)
+            first = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b), None)
+            assert spec.tokens == plain.tokens, (drafter, first)
+            assert spec.stats.drafted > 0 or drafter == "auto"
+
