@@ -49,9 +49,13 @@ class HubFile:
     path: Path             # the bytes served (read from disk in chunks: GGUF files are large)
     sha256: str
     mode: str = "ok"       # ok | wrong (one byte flipped) | drop_once | drop_always | slow | norange (answers a Range
-                           # request with the whole file, as some CDNs do) | forbidden | unavailable
+                           # request with the whole file, as some CDNs do) | gate (sends drop_at bytes, then waits for
+                           # `release` before the rest: a transfer held midway for as long as a test needs) |
+                           # forbidden | unavailable
     drop_at: int = 40 << 20  # where a dropping connection stops (past hf's 10 MB read chunks, so some bytes land)
     dropped: int = 0
+    gated: threading.Event = field(default_factory=threading.Event)   # gate: set once drop_at bytes are sent
+    release: threading.Event = field(default_factory=threading.Event)  # gate: set by the test to send the rest
 
 
 class FakeHub(_Server):
@@ -138,6 +142,10 @@ class _HubHandler(BaseHTTPRequestHandler):
                 pos += len(chunk)
                 if f.mode == "slow":  # a slow line: time for a user to press Ctrl-C midway
                     time.sleep(0.05)
+                if f.mode == "gate" and pos >= min(f.drop_at, size) and not f.release.is_set():
+                    self.wfile.flush()
+                    f.gated.set()
+                    f.release.wait(120)
         if stop < size:  # cut the connection mid-body, as a flaky network would
             f.dropped += 1
             self.wfile.flush()

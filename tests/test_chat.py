@@ -349,7 +349,9 @@ def test_a_second_ctrl_c_while_a_reply_is_put_away_keeps_it(smol_path, interacti
         end_reply = chat.screen.end_reply
 
         def interrupted_end_reply(text):
-            os.kill(os.getpid(), signal.SIGINT)  # delivered here, as a key press would be
+            # delivered here, as a key press would be: raise_signal runs the Python handler before it returns
+            # (os.kill may land on one of llama.cpp's threads, and the main thread see it later)
+            signal.raise_signal(signal.SIGINT)
             end_reply(text)
 
         chat.screen.end_reply = interrupted_end_reply

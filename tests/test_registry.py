@@ -211,14 +211,19 @@ def test_connection_dropped_every_time_fails_trusting_nothing_and_the_next_run_r
 
 def test_ctrl_c_midway_keeps_the_bytes_and_the_next_pull_resumes(tmp_path, hub, env):
     """hf_hub_download deleted its partial file when interrupted: a Ctrl-C at 900 MB of 1 GB started over."""
-    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "slow"
+    f = hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)]
+    f.mode, f.drop_at = "gate", 24 * MiB  # the transfer halts at 24 MiB until released: the pull cannot finish first
     proc = started_pull(env)
-    deadline = time.monotonic() + 60
-    while not (partial(tmp_path).is_file() and partial(tmp_path).stat().st_size > 8 * MiB):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    try:
+        assert f.gated.wait(60), proc.communicate()
+        deadline = time.monotonic() + 60  # the client writes what it has read (hf reads 10 MB at a time)
+        while not (partial(tmp_path).is_file() and partial(tmp_path).stat().st_size > 8 * MiB):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        f.release.set()
     assert proc.returncode == 130 and "Traceback" not in err, err
     kept = partial(tmp_path).stat().st_size
     assert f"download stopped at {kept / MiB:,.0f} of 94 MiB" in err and f"`localspec pull {SMOL}` resumes it" in err

@@ -268,14 +268,22 @@ def test_ctrl_c_while_a_model_loads_is_raised_once_it_has_loaded(smol_path):
     import sys
 
     script = f"""
-import os, signal
+import ctypes, signal
 import llama_cpp as L
 import localspec.model as lm
-real, done = L.llama_model_load_from_file, []
+real, done, steps = L.llama_model_load_from_file, [], []
 
-def load(*args):  # Ctrl-C arrives while llama.cpp loads
-    os.kill(os.getpid(), signal.SIGINT)
-    out = real(*args)
+def load(path, params):  # Ctrl-C arrives inside llama.cpp's load, at its first progress step
+    ours = L.llama_progress_callback(ctypes.cast(params.progress_callback, ctypes.c_void_p).value)  # localspec's
+
+    def step(progress, data):
+        steps.append(progress)
+        if len(steps) == 1:
+            signal.raise_signal(signal.SIGINT)  # its Python handler runs before this returns: no race
+        return ours(progress, data)
+
+    params.progress_callback = cb = L.llama_progress_callback(step)
+    out = real(path, params)
     done.append(bool(out))  # NULL: the load stopped early
     return out
 
@@ -284,7 +292,7 @@ try:
     lm.Model({str(smol_path)!r}, lm.ModelConfig(n_ctx=256))
     print("loaded: the interrupt was lost")
 except KeyboardInterrupt:
-    print(f"interrupted after the load (loaded: {{done[0]}})" if done else "interrupted inside the load")
+    print(f"interrupted after the load (loaded: {{done[0]}}, inside it: {{bool(steps)}})" if done else "interrupted inside the load")
 assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 lm.L.llama_model_load_from_file = real
 m = lm.Model({str(smol_path)!r}, lm.ModelConfig(n_ctx=256))
@@ -292,5 +300,5 @@ print("loads again", m.n_vocab > 0)
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split("\n")[:2] == ["interrupted after the load (loaded: False)", "loads again True"], r.stdout
+    assert r.stdout.split("\n")[:2] == ["interrupted after the load (loaded: False, inside it: True)", "loads again True"], r.stdout
     assert "Exception ignored" not in r.stderr
