@@ -31,7 +31,7 @@ from .sampling import SamplingParams, dist
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)  # verify batch sizes; costs in between are interpolated
 DEPTHS = (256, 1024)  # tokens cached while measuring; other depths are interpolated (and extrapolated) linearly
-FORMAT = 4  # bump when the cached files change shape or how they are measured
+FORMAT = 7  # bump when the cached files change shape or how they are measured
 FILL_BATCH = 32  # catching the draft's cache up is a batched decode: its cost per token is measured at this size
 
 
@@ -116,14 +116,14 @@ def _ident(path: Path, cfg: ModelConfig) -> list:
 
 def machine_key(*parts) -> str:
     """Same CPU, build, library version and settings -> same answer. Threads are the resolved count."""
-    key = [FORMAT, platform.machine(), _cpu_name(), system_info(), version("llama-cpp-python"), *parts]
+    key = [platform.machine(), _cpu_name(), system_info(), version("llama-cpp-python"), *parts]
     return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:24]
 
 
 def cache_key(target: Model, draft: Model | None) -> str:
     def ident(m: Model | None):
         return None if m is None else [*_ident(m.path, m.cfg), m.flash_attn, m.n_threads]
-    return machine_key("costs", ident(target), ident(draft))
+    return machine_key("costs", FORMAT, ident(target), ident(draft))
 
 
 def _time_decode(model: Model, n: int) -> float:
@@ -136,19 +136,19 @@ def _time_decode(model: Model, n: int) -> float:
     return elapsed
 
 
-def _time_plain(model: Model, n: int = 8) -> float:
+def _time_singles(model: Model, n: int) -> list[float]:
     """One token decoded n times in a row, as plain decoding runs (llama.cpp reuses the compute graph of
-    a batch the same shape as the last): the median step. A single token timed between batches of other
-    sizes pays a graph rebuild that plain decoding does not (measured 1-2 ms of ~33 on a 2-core EPYC),
-    which made plain decoding look dearer and speculation look better than it is."""
+    a batch the same shape as the last): each step's time. The first step after a batch of another size
+    pays a graph rebuild that plain decoding does not (measured 1-2 ms of ~33 on a 2-core EPYC): it is
+    left out, or plain decoding would look dearer and speculation better than it is."""
     base = len(model.tokens)
     times = []
-    for tok in model.tokens[-n:]:
+    for tok in model.tokens[-(n + 1):]:
         t = time.perf_counter()
         model.decode([tok], logits="all")
         times.append(time.perf_counter() - t)
     model.truncate(base)
-    return float(np.median(times))
+    return times[1:]
 
 
 def _time_fill(model: Model, n: int) -> float:
@@ -172,12 +172,16 @@ def plan(n_ctx: int, n_batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return depths, sizes
 
 
-def measure(target: Model, draft: Model | None, *, reps: int = 3, log=None, stop=None) -> Costs:
+def measure(target: Model, draft: Model | None, *, reps: int = 5, log=None, stop=None) -> Costs:
     """Time verify batches on the target and single-token decodes on the draft (both caches end empty).
 
-    Sizes are interleaved across `reps` passes and each keeps its fastest time, so a burst of other work on
-    the machine inflates one sample, not the curve; each curve is then made non-decreasing. A batch of 1 is
-    timed as plain decoding runs, in a row (_time_plain); the batches a verify sends, after other sizes.
+    Sizes are interleaved across `reps` passes. Each batch is timed as a verify runs, right after single-token
+    steps (_time_singles), and kept as its ratio to them: the median ratio over the passes times the median
+    step, so a burst of other work moves one sample, not the curve, and a drift of the machine's speed moves
+    the steps and the batches alike; each curve is then made non-decreasing. (Batches once kept their fastest
+    pass while a single token kept a median: that lowered the price of a verify against plain decoding, to
+    2.9 single steps for a 4-token verify where runs on the same 2-core EPYC took 3.2-3.4, and auto drafted
+    where it lost.)
     stop: checked between measurements; when it returns True, Cancelled is raised (the engine is closing).
     """
     try:
@@ -198,11 +202,18 @@ def _measure(target: Model, draft: Model | None, reps: int, log, stop) -> Costs:
     for depth in depths:
         target.sync(_fill(target, depth), cancel=stop)
         _time_decode(target, sizes[-1])  # warm-up
-        best = np.full(len(sizes), np.inf)
+        singles, ratios = [], np.ones((reps, len(sizes)))
         for rep in range(reps):
             for i, n in enumerate(sizes):
                 check()
-                best[i] = min(best[i], _time_plain(target) if n == 1 else _time_decode(target, n))
+                if n == 1:
+                    continue
+                steps = _time_singles(target, 3)  # as auto runs: a verify comes between single-token steps
+                singles += steps
+                ratios[rep, i] = _time_decode(target, n) / float(np.median(steps))
+        # each batch against the steps just before it: a machine whose speed drifts while it is measured (other
+        # work starting or stopping) moves both alike, so the curve's shape stays what a run will see
+        best = float(np.median(singles)) * np.median(ratios, axis=0)
         verify.append(tuple(np.maximum.accumulate(best).tolist()))
         if log:
             mid = len(sizes) // 2
@@ -212,10 +223,10 @@ def _measure(target: Model, draft: Model | None, reps: int, log, stop) -> Costs:
             check()
             draft.sync(_fill(draft, min(depth, draft.n_ctx - 2)), cancel=stop)
             _time_decode(draft, 1)
-            drafts.append(min(_time_decode(draft, 1) for _ in range(2 * reps)))
+            drafts.append(float(np.median([_time_decode(draft, 1) for _ in range(2 * reps)])))
             base = len(draft.tokens)
             if base >= FILL_BATCH:
-                fills.append(min(_time_fill(draft, FILL_BATCH) for _ in range(reps)) / FILL_BATCH)
+                fills.append(float(np.median([_time_fill(draft, FILL_BATCH) for _ in range(reps)])) / FILL_BATCH)
             else:
                 fills.append(0.25 * drafts[-1])
             if log:
