@@ -13,9 +13,26 @@ import sys
 from dataclasses import replace
 from typing import Mapping
 
-from .engine import Engine, Event, RequestError, Result, Stats, Stream
-from .errors import LocalspecError
-from .model import Check, ContextFullError, Model, ModelConfig, ModelError, compare_vocab, set_verbose
+from typing import TYPE_CHECKING
+
+from .core.errors import LocalspecError
+from .core.model import Check, ContextFullError, Model, ModelConfig, ModelError, compare_vocab, set_verbose
+from .core.request import RequestError
+from .core.stream import Event, Result, Stats, Stream
+
+if TYPE_CHECKING:
+    from .api.completions import Engine
+
+
+def __getattr__(name: str):
+    # Engine is the api's (core's engine plus create_chat_completion): imported when asked for, so that importing
+    # localspec.core alone loads nothing above it (tests/test_layout.py)
+    if name == "Engine":
+        from .api.completions import Engine
+
+        return Engine
+    raise AttributeError(f"module 'localspec' has no attribute {name!r}")
+
 
 __all__ = ["load", "Engine", "Event", "Result", "Stats", "Stream", "LocalspecError", "ModelError",
            "RequestError", "ContextFullError", "IncompatibleModelsError", "Check", "compare_vocab"]
@@ -57,8 +74,11 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     memory_check: refuse to load, saying what to lower, when the models clearly cannot fit in memory.
     verbose: show llama.cpp's own log output and the memory estimate.
     """
-    from . import memory, registry
-    from .model import check_gguf
+    from .api.completions import Engine
+    from .store import download, memory, registry
+    from .store.calibration import costs_keeper, exact_flash_attn
+
+    check_gguf = registry.check_model_path
 
     set_verbose(verbose)
     for key, value in (("target", target), ("draft", draft)):
@@ -70,7 +90,7 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     if target is None:
         if draft is not None:
             raise ModelError("draft= was given without target=: pass both paths, or pair='NAME'")
-        spec, target, draft = registry.resolve_pair(pair, allow_mirror=allow_mirror)
+        spec, target, draft = download.resolve_pair(pair, allow_mirror=allow_mirror)
         defaults, name = {"drafter": spec.drafter, "k": spec.k, "p_min": spec.p_min}, spec.name
         n_ctx = spec.n_ctx if n_ctx is None else n_ctx
     elif pair is not None:
@@ -101,8 +121,7 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     if memory_check:
         memory.check_fits(est, memory.available_memory())
     if exact:
-        from .calibrate import exact_flash_attn
-        from .model import exact_matmuls
+        from .core.model import exact_matmuls
 
         exact_matmuls()
         say = lambda m: print(f"localspec: {m}", file=sys.stderr, flush=True)  # noqa: E731
@@ -134,4 +153,4 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
         if d is not None:
             d.close()
         raise
-    return Engine(t, d, name=name, defaults=defaults)
+    return Engine(t, d, name=name, defaults=defaults, costs=costs_keeper(registry.home() / "calibration"))

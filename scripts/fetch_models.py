@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from localspec.registry import RegistryError, fetch_from_mirror, load_registry, local_copy  # noqa: E402
+from localspec.store.download import fetch_from_mirror  # noqa: E402
+from localspec.store.registry import RegistryError, load_registry, local_copy  # noqa: E402
 
 DEFAULT = ["smollm2-135m-instruct-q4_1", "qwen2.5-coder-0.5b-instruct-q4_k_m", "qwen2.5-coder-1.5b-instruct-q4_k_m"]
 

@@ -31,10 +31,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from localspec.bench import EDITS, PROMPTS, STRUCTURED, load_prompts  # noqa: E402
-from localspec.calibrate import Costs  # noqa: E402
-from localspec.defaults import K_AUTO, K_PREDICTION  # noqa: E402
-from localspec.drafters import AutoDrafter, Draft, NgramDrafter, Prediction, vocab_kinds  # noqa: E402
+from localspec.apps.bench import EDITS, PROMPTS, STRUCTURED, load_prompts  # noqa: E402
+from localspec.core.costs import Costs  # noqa: E402
+from localspec.core.defaults import K_AUTO, K_PREDICTION  # noqa: E402
+from localspec.core.auto import AutoDrafter, vocab_kinds  # noqa: E402
+from localspec.core.drafters import Draft, NgramDrafter, Prediction  # noqa: E402
 
 HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
 SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED,
@@ -175,7 +176,7 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
 
     auto-warm is auto whose acceptance statistics have already learned this very output (replayed once
     untimed, then timed): what better estimates alone could give within auto's decision rule."""
-    from localspec.grammar import Grammar, compile_spec
+    from localspec.core.grammar import Grammar, compile_spec
 
     if policy == "auto-warm":
         learned = []
@@ -216,7 +217,7 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     if model is not None and (policy == "model4" or (policy.startswith("auto") and drafter.model_may_win(len(prompt)))):
         model.synced = len(prompt) - 1  # prefilled with the prompt, outside the timed generation (as in a run)
     if g is not None and drafter is not None and not policy.startswith("auto"):
-        from localspec.drafters import GrammarDrafter
+        from localspec.core.drafters import GrammarDrafter
 
         drafter = GrammarDrafter(g, drafter)  # as the engine wraps a fixed drafter under a grammar
     k = K_PREDICTION if policy == "auto-pred" else K if policy in ("auto", "ngram16") else 4
@@ -291,7 +292,7 @@ def replay(a) -> None:
     curves = {"host": Costs.from_dict(data["costs"])} | CURVES
     for f in a.costs_file or ():
         curves[Path(f).stem] = Costs.from_dict(json.loads(Path(f).read_text()))
-    from localspec.model import Model, ModelConfig
+    from localspec.core.model import Model, ModelConfig
 
     # the target's vocabulary: auto judges n-gram guesses by their tokens' kinds, grammars need it
     target = Model(data["target"], ModelConfig(n_ctx=512), vocab_only=True)

@@ -11,7 +11,7 @@ import pytest
 # setting once): the suite loads plain models before exact ones, so it is off for the whole session.
 os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
-from localspec import registry  # noqa: E402
+from localspec.store import registry  # noqa: E402
 
 
 def _shipped(name: str) -> Path:
@@ -23,7 +23,7 @@ def _shipped(name: str) -> Path:
 SMOL = _shipped("smollm2-135m-instruct-q4_1")
 QWEN_TARGET = _shipped("qwen2.5-coder-1.5b-instruct-q4_k_m")
 QWEN_DRAFT = _shipped("qwen2.5-coder-0.5b-instruct-q4_k_m")
-PROMPTS = Path(__file__).resolve().parents[1] / "localspec" / "prompts.jsonl"
+PROMPTS = Path(__file__).resolve().parents[1] / "localspec" / "apps" / "prompts.jsonl"
 
 
 def _need(path: Path) -> Path:
@@ -51,7 +51,7 @@ def smol_engine(smol_path):
 
 
 class FakeModel:
-    """A scripted stand-in for localspec.model.Model: logits are a function of the token before.
+    """A scripted stand-in for localspec.core.model.Model: logits are a function of the token before.
 
     `table[t]` is the logit row that follows token t; the KV cache is the `tokens` list itself, and every
     decode is recorded so tests can count them.
@@ -110,8 +110,18 @@ def onehot(n_vocab: int, t: int, scale: float = 10.0) -> np.ndarray:
 
 
 def pytest_report_header(config):
-    from localspec.calibrate import system_info
+    from localspec.core.costs import system_info
 
     if "LLAMAFILE = 1" in system_info():
         return ("llama-cpp-python was built with llamafile's sgemm: on many CPUs exact mode is then refused and the "
                 "exactness tests fail; build it as the README's test section says (CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\")")
+
+
+def shared_calibration(home: Path) -> Path:
+    """A fresh LOCALSPEC_HOME whose calibration folder is this machine's own (a link): a test that isolates its
+    files still finds the costs and exact-mode verdicts measured once per machine (a minute or more each)."""
+    home.mkdir(parents=True, exist_ok=True)
+    shared = registry.home() / "calibration"
+    shared.mkdir(parents=True, exist_ok=True)
+    (home / "calibration").symlink_to(shared, target_is_directory=True)
+    return home

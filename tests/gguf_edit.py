@@ -45,3 +45,21 @@ def pad_vocab(src: Path, dst: Path, extra: int, rows_of: list[int] | None = None
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def kept(name: str, make) -> Path:
+    """A test model made once per machine and kept: $LOCALSPEC_HOME/test-models/NAME, written by make(path) the
+    first time (to a temporary name, then moved), with a fixed mtime. Its exact-mode verdicts and costs, keyed by
+    path, size and mtime, are then measured once per machine too, not in every run."""
+    import os
+
+    from localspec.store import registry
+
+    path = registry.home() / "test-models" / name
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        make(tmp)
+        os.utime(tmp, (1_700_000_000, 1_700_000_000))
+        os.replace(tmp, path)
+    return path

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from localspec.acceptance import LOSSLESS, accept_greedy, accept_rejection, accept_threshold
-from localspec.sampling import Dist, SamplingParams, dist
+from localspec.core.acceptance import LOSSLESS, accept_greedy, accept_rejection, accept_threshold
+from localspec.core.sampling import Dist, SamplingParams, dist
 
 V = 8
 TRIALS = 20_000
@@ -174,8 +174,8 @@ def test_degenerate_rows():
 
 def test_rules_mix_target_and_draft_rows_of_different_widths():
     """The standard pair: a Qwen2.5 7B target has 152,064 logits, its 0.5B draft 151,936 (case 1)."""
-    from localspec.engine import accept
-    from localspec.drafters import Draft
+    from localspec.core.loop import accept
+    from localspec.core.drafters import Draft
 
     rng = np.random.default_rng(16)
     wide = (3 * rng.standard_normal((3, 152_064))).astype(np.float32)

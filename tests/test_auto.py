@@ -4,8 +4,10 @@ import json
 import numpy as np
 import pytest
 
-from localspec.calibrate import Costs, load_or_measure, measure, plan
-from localspec.drafters import NEWLINE, PUNCT, WORD, AutoDrafter, Draft, KindOdds, NgramDrafter, token_kinds
+from localspec.core.costs import Costs, measure, plan
+from localspec.store.calibration import load_or_measure
+from localspec.core.auto import NEWLINE, PUNCT, WORD, AutoDrafter, KindOdds, token_kinds
+from localspec.core.drafters import Draft, NgramDrafter
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
 
@@ -310,11 +312,11 @@ def test_calibration_plan_fits_small_contexts():
 
 
 def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, monkeypatch, capsys):
-    from localspec.model import Model, ModelConfig
+    from localspec.core.model import Model, ModelConfig
 
     m = Model(smol_path, ModelConfig(n_ctx=512))
     calls = []
-    import localspec.calibrate as cal
+    import localspec.store.calibration as cal
 
     def counting(target, draft, **kw):
         calls.append(1)
@@ -339,7 +341,7 @@ def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, mon
 
 
 def test_calibration_runs_in_a_small_context(smol_path, tmp_path):
-    from localspec.model import Model, ModelConfig
+    from localspec.core.model import Model, ModelConfig
 
     m = Model(smol_path, ModelConfig(n_ctx=256))
     c = measure(m, m, reps=1)
@@ -349,8 +351,8 @@ def test_calibration_runs_in_a_small_context(smol_path, tmp_path):
 
 def test_calibration_key_follows_threads_and_build(smol_path, monkeypatch):
     """os.cpu_count() missed CPU affinity and cgroup limits, and a CUDA rebuild kept the CPU's costs."""
-    import localspec.calibrate as cal
-    from localspec.model import Model, ModelConfig
+    import localspec.store.calibration as cal
+    from localspec.core.model import Model, ModelConfig
 
     one, two = Model(smol_path, ModelConfig(n_ctx=256, n_threads=1)), Model(smol_path, ModelConfig(n_ctx=256, n_threads=2))
     assert cal.cache_key(one, None) != cal.cache_key(two, None)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import llama_cpp
 import pytest
 
-from localspec import bench, cli
-from localspec.model import ModelConfig, default_threads
+from localspec.apps import bench, cli
+from localspec.core.model import ModelConfig, default_threads
 
 
 def prompt(pid: str, text: str) -> dict:
@@ -329,7 +329,7 @@ def test_each_run_of_our_methods_is_priced_within_itself(smol_engine, tmp_path):
 def test_a_schema_past_llguidance_limits_fails_its_runs_and_the_bench_goes_on(smol_engine, monkeypatch):
     from llguidance import LLParserLimits
 
-    from localspec import grammar
+    from localspec.core import grammar
 
     monkeypatch.setattr(grammar, "_limits", lambda: LLParserLimits(max_lexer_states=40))
     person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -16,7 +16,10 @@ import pexpect
 import pytest
 
 import localspec
-from localspec.chat_repl import Chat, DoesNotFit, Screen, drop_oldest_turns, parse_messages
+from localspec.apps.chat import Chat, Screen
+from localspec.apps.conversation import DoesNotFit, drop_oldest_turns, parse_messages
+
+from conftest import shared_calibration
 
 N = 24  # max tokens per reply
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-B]|[=>])")
@@ -28,7 +31,7 @@ PROMPT = ">>>"  # prompt_toolkit draws the trailing space as a cursor move
 
 
 def chat_args(smol, *extra, n_ctx=1024, max_tokens=N):
-    return ["-m", "localspec.cli", "chat", "--target", str(smol), "--draft", str(smol), "--drafter", "model",
+    return ["-m", "localspec", "chat", "--target", str(smol), "--draft", str(smol), "--drafter", "model",
             "--exact", "--n-ctx", str(n_ctx),
             "--temperature", "0", "--max-tokens", str(max_tokens), *extra]
 
@@ -48,7 +51,7 @@ def norm(text: str) -> str:
 @pytest.fixture
 def env(tmp_path):
     return dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", NO_COLOR="1", TERM="xterm",
-                LOCALSPEC_HOME=str(tmp_path / "home"))
+                LOCALSPEC_HOME=str(shared_calibration(tmp_path / "home")))
 
 
 def spawn(smol, env, *extra, preexec_fn=None, **kw):

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import shared_calibration
+
 
 def localspec(*args, stdin: str | None = None):
     env = dict(os.environ, NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "localspec.cli", *map(str, args)], input=stdin,
+    return subprocess.run([sys.executable, "-m", "localspec", *map(str, args)], input=stdin,
                           capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -130,7 +132,7 @@ def test_bad_input_one_line_exit_2(case, bad_files, smol_path, qwen_paths):
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_stdin_that_is_not_utf8_is_one_clear_error(command, smol_path):
-    r = subprocess.run([sys.executable, "-m", "localspec.cli", command, "--target", str(smol_path), "--max-tokens",
+    r = subprocess.run([sys.executable, "-m", "localspec", command, "--target", str(smol_path), "--max-tokens",
                         "2"], input="café\n".encode("latin-1"), capture_output=True, timeout=300)
     err = r.stderr.decode()
     assert r.returncode == 2 and "stdin is not UTF-8 text (byte 0xe9" in err and "Traceback" not in err, err
@@ -183,10 +185,10 @@ def test_bench_end_to_end_json(smol_path, tmp_path):
                                  for i, (k, c) in enumerate([("generate", "Write a haiku about the sea."),
                                                              ("edit", "Repeat exactly: alpha beta gamma delta")])))
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "localspec.cli", "bench", "--target", str(smol_path), "--draft",
+    r = subprocess.run([sys.executable, "-m", "localspec", "bench", "--target", str(smol_path), "--draft",
                         str(smol_path), "--prompts", str(prompts), "--max-tokens", "16", "--json", str(out),
                         "--n-ctx", "1024", "--repeat", "2"], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, LOCALSPEC_HOME=str(tmp_path / "home")))
+                       env=dict(os.environ, LOCALSPEC_HOME=str(shared_calibration(tmp_path / "home"))))
     assert r.returncode == 0, r.stderr
     assert "| prompt | plain | model | ngram | hybrid | auto | peer-2 | peer-10 |" in r.stdout
     data = json.loads(out.read_text())
@@ -201,7 +203,7 @@ def test_bench_end_to_end_json(smol_path, tmp_path):
 
 @pytest.mark.parametrize("path", [None, Path(__file__).resolve().parents[1] / "scripts" / "holdout_prompts.jsonl"])
 def test_bench_prompt_sets_are_well_formed(path):
-    from localspec.bench import load_prompts
+    from localspec.apps.bench import load_prompts
 
     rows = load_prompts(path)
     assert len({r["id"] for r in rows}) == len(rows) >= 8

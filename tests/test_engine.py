@@ -1,5 +1,6 @@
 """Tier 2: the engine where users and servers push it (real SmolLM2-135M): vocabularies of different widths,
 shared engines, bounds, small contexts, seeds, determinism, exactness, forged chat turns."""
+import json
 import re
 import threading
 import time
@@ -8,10 +9,11 @@ import numpy as np
 import pytest
 
 import localspec
-from localspec import RequestError, defaults
-from localspec.model import ModelError
+from localspec import RequestError
+from localspec.core import defaults
+from localspec.core.model import ModelError
 
-from gguf_edit import pad_vocab
+from gguf_edit import kept, pad_vocab
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
 STORY = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
@@ -20,7 +22,7 @@ STORY = [{"role": "user", "content": "Tell me a short story about a lighthouse k
 @pytest.fixture(scope="module")
 def wide_pair(smol_path, tmp_path_factory):
     """A target 64 tokens wider than its draft, as Qwen2.5 7B (152,064) beside its 0.5B draft (151,936)."""
-    wide = pad_vocab(smol_path, tmp_path_factory.mktemp("wide") / "smol-wide.gguf", 64)
+    wide = kept(f"{smol_path.stem}-wide64.gguf", lambda dst: pad_vocab(smol_path, dst, 64))
     with localspec.load(target=wide, draft=smol_path, n_ctx=1024, exact=True) as llm:
         assert (llm.target.n_vocab, llm.draft.n_vocab) == (49_216, 49_152)
         yield llm
@@ -31,13 +33,13 @@ def shadowed_pair(smol_path, tmp_path_factory):
     """The wide target whose 64 new ids repeat the rows of common words: it puts real probability where the
     draft has no token, so its p differs from the draft's q on every host. (With zero rows p and q agree to
     the last bit wherever batched logits are exact, as on a first-generation EPYC, and nothing is rejected.)"""
-    from localspec.model import Model, ModelConfig
+    from localspec.core.model import Model, ModelConfig
 
     vocab = Model(smol_path, ModelConfig(n_ctx=64), vocab_only=True)
     common = vocab.tokenize(" the a and was he she it of to in. , lighthouse keeper sea light night",
                             add_special=False, parse_special=False)
     vocab.close()
-    wide = pad_vocab(smol_path, tmp_path_factory.mktemp("shadow") / "smol-shadow.gguf", 64, rows_of=common)
+    wide = kept(f"{smol_path.stem}-shadow64.gguf", lambda dst: pad_vocab(smol_path, dst, 64, rows_of=common))
     with localspec.load(target=wide, draft=smol_path, n_ctx=1024, exact=True) as llm:
         yield llm
 
@@ -160,7 +162,7 @@ def test_small_contexts(smol_path):
 
 def test_n_ctx_0_is_the_trained_context_as_in_llama_cpp(smol_path):
     """n_ctx=0 silently meant 4096; in llama.cpp it means the context the model was trained for."""
-    from localspec.memory import read_gguf_metadata
+    from localspec.store.memory import read_gguf_metadata
     trained = read_gguf_metadata(smol_path)["llama.context_length"]
     assert trained != 4096
     with localspec.load(target=smol_path, draft=smol_path, n_ctx=0, n_ctx_draft=256) as llm:
@@ -248,12 +250,13 @@ def test_text_outside_message_content_never_becomes_control_tokens(smol_engine, 
 
 def test_exact_mode_probes_the_machine_and_refuses_what_it_cannot_keep(smol_path, tmp_path, monkeypatch):
     """Case 13: exactness held on AMD hosts and failed on an Intel one: it is measured, not assumed."""
-    import localspec.calibrate as cal
-    from localspec.model import ModelConfig
+    import localspec.store.calibration as cal
+    from localspec.core.model import ModelConfig
 
     cfg = ModelConfig(n_ctx=512, exact=True)
     fa = cal.exact_flash_attn(smol_path, cfg, tmp_path)
-    assert cal.probe_exact(smol_path, cfg, fa) == []  # the chosen setting really is bit-identical
+    (kept,) = tmp_path.glob("exact-*.json")
+    assert json.loads(kept.read_text())[fa] == {"n_ctx": 512, "cells": []}  # it really is bit-identical, 512 deep
     calls = []
     monkeypatch.setattr(cal, "probe_exact", lambda *a: calls.append(a) or [])
     assert cal.exact_flash_attn(smol_path, cfg, tmp_path) == fa and calls == []  # cached
@@ -277,17 +280,18 @@ def test_the_exact_probe_looks_deep_where_kernels_change(smol_path, tmp_path):
     """The first probe (a 5-token verify ~50 tokens deep) passed flash attention on; on this CPU kind the
     kernel splits a cache of 512 cells and more across threads for a single token, and the logits differ from
     256 tokens deep on. The probe now reads every width at depths over the whole context, and refuses."""
-    import localspec.calibrate as cal
-    from localspec.model import ModelConfig
+    import localspec.store.calibration as cal
+    from localspec.core.model import ModelConfig
 
     assert cal.probe_depths(4096) == (64, 256, 1024, 4064) and cal.probe_depths(300) == (64, 256, 268)
-    cells = cal.probe_exact(smol_path, ModelConfig(n_ctx=300, exact=True), "off")
-    assert cells == []
-    cells = cal.probe_exact(smol_path, ModelConfig(n_ctx=300, exact=True), "on")
-    if cells:  # (a CPU whose flash-attention kernel is batch-invariant would pass: then nothing to refuse)
+    try:
+        cal.exact_flash_attn(smol_path, ModelConfig(n_ctx=300, flash_attn="on", exact=True), tmp_path)
+    except ModelError as e:
+        assert "flash attention on: 256 tokens deep, widths 2-" in str(e)
+        (kept,) = tmp_path.glob("exact-*.json")
+        cells = [cal.Cell(*c) for c in json.loads(kept.read_text())["on"]["cells"]]
         assert {c.depth for c in cells} == {256} and {c.width for c in cells} >= {2, 5, 8, 32}
-        with pytest.raises(ModelError, match="flash attention on: 256 tokens deep, widths 2-"):
-            cal.exact_flash_attn(smol_path, ModelConfig(n_ctx=300, flash_attn="on", exact=True), tmp_path)
+    # (else a CPU whose flash-attention kernel is batch-invariant: exact with it on, nothing to refuse)
 
 
 def test_logprobs_are_the_targets_log_softmax(smol_engine):
@@ -356,7 +360,7 @@ def test_a_trace_has_every_round_decision_beside_outcome(smol_engine):
 def test_segments_keep_every_spelling_apart_through_tojson_and_repeats():
     """Tier 1: a template that prints the tools through tojson twice, names and past calls: each control-token
     spelling comes back as a plain-text piece in its place, everything else is markup."""
-    from localspec.chat import segments
+    from localspec.core.chat_template import segments
 
     template = ("{% for t in tools %}<T>{{ t | tojson }}</T><T>{{ t | tojson }}</T>{% endfor %}"
                 "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.name }}\n{{ m.content }}"
@@ -426,7 +430,7 @@ def test_close_does_not_wait_out_a_long_prefill(smol_path):
 def test_close_waits_for_a_token_piece_being_read_in_another_thread(smol_path, monkeypatch):
     """A stream's consumer reads token pieces outside the engine's lock; close() freed the vocabulary under it
     (a crash). Readers do not wait for each other: a long one (a grammar build) holds up no stream."""
-    import localspec.model as lm
+    import localspec.core.model as lm
 
     real, inside, order = lm.L.llama_token_to_piece, threading.Event(), []
 

@@ -66,7 +66,7 @@ def test_written_file_has_the_described_metadata_and_tensors(desc, small):
 
 def test_synthetic_model_loads_and_decodes_in_localspec(desc, small):
     import localspec
-    from localspec.model import Model
+    from localspec.core.model import Model
 
     vocab = Model(small, vocab_only=True)
     try:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from localspec import RequestError
-from localspec.acceptance import accept_rejection
-from localspec import grammar as grammar_module
-from localspec.grammar import Grammar, GrammarError, compile_spec
-from localspec.sampling import SamplingParams, dist
+from localspec.core.acceptance import accept_rejection
+from localspec.core import grammar as grammar_module
+from localspec.core.grammar import Grammar, GrammarError, compile_spec
+from localspec.core.sampling import SamplingParams, dist
 
 from test_acceptance import assert_distributed_as, emitted, run
 
@@ -140,7 +140,7 @@ def test_a_guess_the_tokenizer_would_never_write_is_not_offered(smol_engine):
 
 def test_forbidden_drafts_never_reach_the_target(smol_engine, monkeypatch):
     """validate_tokens cuts a draft first: every draft verified is a valid continuation of what was emitted."""
-    import localspec.engine as engine
+    import localspec.core.loop as engine
 
     seen = []
     real = engine.verify

@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from localspec.drafters import Draft, NgramDrafter, NoDrafter
-from localspec.engine import Finish, Round, Stream, Token, speculate
-from localspec.sampling import SamplingParams
-from localspec.text import TextStream
+from localspec.core.drafters import Draft, NgramDrafter, NoDrafter
+from localspec.core.loop import Finish, Round, Token, speculate
+from localspec.core.stream import Stream
+from localspec.core.sampling import SamplingParams
+from localspec.core.text import TextStream
 
 from conftest import FakeModel, onehot
 
@@ -157,7 +158,7 @@ def test_rules_agree_at_temperature_zero_with_fakes(rule):
 
 
 def test_prediction_lookup_follows_the_output_through_repeats():
-    from localspec.drafters import Prediction
+    from localspec.core.drafters import Prediction
 
     pred = [1, 2, 3, 9, 1, 2, 3, 7, 8]
     p = Prediction(pred, prompt_len=2)

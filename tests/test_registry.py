@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from localspec import memory, registry
-from localspec.registry import RegistryError
+from localspec.store import download, memory, registry
+from localspec.store.registry import RegistryError
 
 from registry_servers import COMMIT, FakeHub, PackageIndex, build_wheel, hub_env
 
@@ -54,13 +54,13 @@ def env(tmp_path, hub, index):
 
 def localspec(env: dict, *args: str) -> subprocess.CompletedProcess:
     """Run the `localspec` command as a user does, in its own process and environment."""
-    return subprocess.run([sys.executable, "-m", "localspec.cli", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "localspec", *args], env=env, capture_output=True,
                           text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
 
 
 def started_pull(env: dict) -> subprocess.Popen:
     """`localspec pull` of SmolLM2 started in its own process, left running (to interrupt it, or race it)."""
-    return subprocess.Popen([sys.executable, "-m", "localspec.cli", "pull", SMOL], env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "localspec", "pull", SMOL], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -304,9 +304,9 @@ def test_a_disk_without_room_is_said_so_before_downloading_and_the_mirror_is_not
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.delenv("LOCALSPEC_NO_MIRROR", raising=False)
-    monkeypatch.setattr(registry.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 30, 10 << 30, 5 << 20))
+    monkeypatch.setattr(download.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 30, 10 << 30, 5 << 20))
     with pytest.raises(RegistryError, match=r"needs 94 MiB but .* has 5 MiB free: free some space or set LOCALSPEC_HOME"):
-        registry.resolve_model(SMOL_SPEC)
+        download.resolve_model(SMOL_SPEC)
     assert not [g for g in hub.gets() if SMOL_SPEC.file in g.path]  # no byte of the file was asked for
     assert not index.requests and trusted_leftovers(tmp_path) == []
 
@@ -328,7 +328,7 @@ def test_files_of_one_name_from_two_repositories_are_both_kept(user_models, tmp_
     registry.own_path(twin).write_bytes(b"\1" * 1000)         # the twin's bytes do not stand for SmolLM2
     smol_ours(tmp_path).parent.mkdir(parents=True)
     shutil.copy(smol_path, smol_ours(tmp_path))
-    assert registry.resolve_model(smol, log=print) == smol_ours(tmp_path)
+    assert download.resolve_model(smol, log=print) == smol_ours(tmp_path)
     assert registry.own_path(twin).read_bytes() == b"\1" * 1000   # nor is either deleted for the other
 
 
@@ -369,14 +369,14 @@ def test_a_file_an_earlier_localspec_kept_is_used_where_it_lies_and_never_delete
     old = tmp_path / "home" / "models" / SMOL_SPEC.file
     old.parent.mkdir(parents=True)
     shutil.copy(smol_path, old)
-    assert registry.resolve_model(SMOL_SPEC, log=print) == old
+    assert download.resolve_model(SMOL_SPEC, log=print) == old
     assert registry.local_path(SMOL_SPEC) == old
-    assert registry.fetch_from_mirror(SMOL_SPEC, log=print) == old  # scripts/fetch_models.py fetches nothing
+    assert download.fetch_from_mirror(SMOL_SPEC, log=print) == old  # scripts/fetch_models.py fetches nothing
     assert not smol_ours(tmp_path).exists()
 
     flip_a_byte(old)
     with pytest.raises(RegistryError, match="HF_HUB_OFFLINE=1 forbids fetching"):
-        registry.resolve_model(SMOL_SPEC, log=print)
+        download.resolve_model(SMOL_SPEC, log=print)
     assert old.stat().st_size == SMOL_SPEC.size                  # left where it was, as it was
 
 
@@ -393,7 +393,7 @@ def test_an_earlier_localspecs_place_leading_out_of_our_folder_is_only_not_read(
     own = ours(tmp_path, "r/x") / "sub" / "x.gguf"
     own.parent.mkdir(parents=True)
     shutil.copy(smol_path, own)
-    assert registry.resolve_model(spec, log=print) == own
+    assert download.resolve_model(spec, log=print) == own
 
 
 def test_an_earlier_localspecs_unfinished_download_is_resumed(tmp_path, smol_path, hub, env):
@@ -499,16 +499,16 @@ def test_a_ctrl_c_during_the_mirror_keeps_the_whole_parts_and_says_how_to_go_on(
             raise KeyboardInterrupt
         return run(cmd, **kw)
 
-    monkeypatch.setattr(registry.subprocess, "run", ctrl_c_at_part2)
+    monkeypatch.setattr(download.subprocess, "run", ctrl_c_at_part2)
     said = []
     spec = registry.load_registry().model("tiny")
     with pytest.raises(KeyboardInterrupt):
-        registry.fetch_from_mirror(spec, log=said.append)
+        download.fetch_from_mirror(spec, log=said.append)
     part = ours(tmp_path, "localspec-tests/tiny") / f"tiny.gguf.{spec.sha256[:12]}.part"
     assert part.read_bytes() == TINY[:len(TINY) // 2]
     assert "first 1 of 2 parts are kept" in said[-1] and "`localspec pull tiny` goes on from there" in said[-1]
-    monkeypatch.setattr(registry.subprocess, "run", run)
-    assert registry.fetch_from_mirror(spec, log=said.append).read_bytes() == TINY and not part.exists()
+    monkeypatch.setattr(download.subprocess, "run", run)
+    assert download.fetch_from_mirror(spec, log=said.append).read_bytes() == TINY and not part.exists()
 
 
 def test_mirror_bytes_that_do_not_match_are_not_kept(tmp_path, hub, index, env):
@@ -561,7 +561,7 @@ n_ctx = 512
 
     smol_ours(tmp_path).parent.mkdir(parents=True)
     shutil.copy(smol_path, smol_ours(tmp_path))
-    got, target, draft = registry.resolve_pair()               # local and verified: no network at all
+    got, target, draft = download.resolve_pair()               # local and verified: no network at all
     assert got == pair and target == draft == smol_ours(tmp_path)
 
 
@@ -619,7 +619,7 @@ def test_a_file_that_would_land_outside_our_models_folder_is_refused_and_left_al
     dotdot = registry.ModelSpec("y", "r/x", "../../outside/x.gguf", "main", 13, "a" * 64)  # not from a file
     for s in (spec, dotdot):
         with pytest.raises(RegistryError, match="outside"):
-            registry.resolve_model(s, log=print)
+            download.resolve_model(s, log=print)
     assert (outside / "x.gguf").read_bytes() == b"not the model"
 
 
@@ -641,7 +641,7 @@ def test_unknown_names(user_models):
 def test_models_command_lists_pairs_with_memory(user_models, tmp_path, smol_path):
     from click.testing import CliRunner
 
-    from localspec.cli import cli
+    from localspec.apps.cli import cli
 
     user_models.write_text("")
     smol_ours(tmp_path).parent.mkdir(parents=True)
@@ -659,7 +659,7 @@ def test_one_damaged_model_file_leaves_the_other_pairs_listed(user_models, tmp_p
     """A right-sized file of zeros made `localspec models` fail for every pair."""
     from click.testing import CliRunner
 
-    from localspec.cli import cli
+    from localspec.apps.cli import cli
 
     user_models.write_text("")
     smol_ours(tmp_path).parent.mkdir(parents=True)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from localspec.errors import LocalspecError
-from localspec.sampling import Dist, SamplingError, SamplingParams, choose, dist, penalize, position_rng, residual
+from localspec.core.errors import LocalspecError
+from localspec.core.sampling import Dist, SamplingError, SamplingParams, choose, dist, penalize, position_rng, residual
 
 # Every filter off, temperature 1: probs() is a plain softmax unless a test turns something on.
 PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)

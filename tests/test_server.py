@@ -21,8 +21,8 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from localspec.cli import cli
-from localspec.server import create_app
+from localspec.apps.cli import cli
+from localspec.api.server import create_app
 
 KEY = "sk-local-test"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -31,7 +31,7 @@ COUNTING = "1, 2, 3, 4, 5, 6,"  # SmolLM2 keeps counting: a generation as long a
 
 
 class Server:
-    """`python -m localspec.cli serve` in a subprocess on a free loopback port, its output in a log file."""
+    """`python -m localspec serve` in a subprocess on a free loopback port, its output in a log file."""
 
     def __init__(self, model_path, log_path, *args, fast: bool = False):
         with socket.socket() as s:
@@ -41,7 +41,7 @@ class Server:
         self.log_path = log_path
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "localspec.cli", "serve", "--target", model_path, "--draft", model_path,
+                [sys.executable, "-m", "localspec", "serve", "--target", model_path, "--draft", model_path,
                  "--n-ctx", "1024", *(() if fast else ("--exact",)), "--port", str(self.port), *args],
                 stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, NO_COLOR="1"))
         # the first start on a machine measures its speculation costs (a few minutes on a slow CPU: ~3 for the
@@ -179,7 +179,7 @@ def test_serve_flags_are_the_defaults_of_requests(small_server, smol_engine):
 def test_serve_says_a_busy_port_or_a_wrong_host_before_loading_the_models(smol_path, monkeypatch):
     """A port in use was found after the models loaded and their costs were measured (minutes on a first run),
     as uvicorn's 'address already in use'; --port 70000 and --host 999.1.1.1 dumped 80-line tracebacks."""
-    import localspec.cli as lc
+    import localspec.apps.cli as lc
 
     monkeypatch.setattr(lc, "load_engine", lambda *a, **k: pytest.fail("loaded the models first"))
     with socket.socket() as busy:
@@ -190,13 +190,13 @@ def test_serve_says_a_busy_port_or_a_wrong_host_before_loading_the_models(smol_p
                 (["--port", str(port)], f"port {port} on 127.0.0.1 is in use (another localspec serve, or another "
                                         "server): stop it or pick another --port"),
                 (["--host", "999.1.1.1"], "--host 999.1.1.1: not an address of this machine")):
-            r = subprocess.run([sys.executable, "-c", "import sys, localspec.cli as c; c.load_engine = None; "
+            r = subprocess.run([sys.executable, "-c", "import sys, localspec.apps.cli as c; c.load_engine = None; "
                                 "sys.argv[0] = 'localspec'; c.main()", "serve", "--target", str(smol_path), *args],
                                capture_output=True, text=True, timeout=120)
             assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     result = CliRunner().invoke(cli, ["serve", "--target", str(smol_path), "--port", "70000"])
     assert result.exit_code == 2 and "70000 is not in the range 1<=x<=65535" in result.output
-    from localspec.server import ServeError, bind
+    from localspec.api.server import ServeError, bind
 
     loading = bind("127.0.0.1", 0)  # a server still loading its models holds its port already
     try:
@@ -346,7 +346,9 @@ LONG_PROMPT = " ".join(f"item {i} is {i * 7 % 13}." for i in range(340))  # ~3,0
 
 def long_prefill_server(smol_path, tmp_path) -> Server:
     # one thread: llama.cpp's threads spin-wait for each other, so a busy machine slows two of them tenfold
-    return Server(smol_path, tmp_path / "server.log", "--n-ctx", "4096", "--threads", "1")
+    # not --exact: what is measured is how soon the prefill stops, not its logits (an exact-mode probe 4,000 tokens
+    # deep with one thread would cost more than the test)
+    return Server(smol_path, tmp_path / "server.log", "--n-ctx", "4096", "--threads", "1", fast=True)
 
 
 def test_a_client_that_leaves_during_a_long_prefill_stops_it(smol_path, tmp_path, smol_engine):
@@ -672,7 +674,7 @@ def test_a_schema_that_outgrows_llguidance_limits_midway_is_a_400_not_a_cut_answ
     from llguidance import LLParserLimits
     from starlette.testclient import TestClient
 
-    from localspec import grammar as grammar_module
+    from localspec.core import grammar as grammar_module
 
     monkeypatch.setattr(grammar_module, "_limits", lambda: LLParserLimits(max_lexer_states=40))
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
@@ -839,7 +841,7 @@ def test_logprobs_stream_and_not(server, smol_engine):
 
 # ---- the request edge without a server (tier 1) ----
 def test_check_text_bounds_nesting_and_names_the_field():
-    from localspec.openai_request import MAX_DEPTH, ApiError, check_text
+    from localspec.api.request import MAX_DEPTH, ApiError, check_text
 
     nested = lambda d: json.loads("[" * d + "]" * d)  # noqa: E731
     check_text({"a": [1, {"b": nested(MAX_DEPTH - 2)}]})
@@ -855,8 +857,8 @@ def test_check_text_bounds_nesting_and_names_the_field():
 def test_tool_parameters_with_defs_and_refs_constrain_the_call(smol_engine):
     """Pydantic's nested models come as $defs + $ref: nested under the call's "arguments" key, '#/$defs/A'
     pointed nowhere and every such tool was refused with a 400."""
-    from localspec.grammar import Grammar, compile_spec
-    from localspec.tools import HERMES, ToolError, check_tools
+    from localspec.core.grammar import Grammar, compile_spec
+    from localspec.api.tools import HERMES, ToolError, check_tools
 
     save = {"type": "function", "function": {"name": "save", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"],
@@ -885,7 +887,7 @@ def test_tool_parameters_with_defs_and_refs_constrain_the_call(smol_engine):
 
 def test_tool_call_parser_leaves_odd_json_as_text():
     """Blocks that are JSON but not a call: a name that is an object, nesting past Python's parser."""
-    from localspec.tools import FORMATS, CallParser
+    from localspec.api.tools import FORMATS, CallParser
 
     fmt = FORMATS[0]
     for body in ('{"name": {"first": "Ada"}, "arguments": {}}', "[" * 100_000, '{"name": "g", "arguments": {}}'):
@@ -902,7 +904,7 @@ def test_tool_call_parser_takes_one_call_without_parallel_calls_and_no_trailing_
     a stream sent the line break after a call as a content delta."""
     from dataclasses import replace
 
-    from localspec.tools import HERMES
+    from localspec.api.tools import HERMES
 
     call = '```json\n{"name": "f", "arguments": {"x": 1}}\n```'
     p = replace(HERMES, parallel=False).parser([{"function": {"name": "f"}}])
@@ -923,7 +925,7 @@ def test_tool_call_parser_reads_a_streamed_reply_as_the_whole_one():
     """Whitespace between text and a later call was dropped when they came in different tokens, and the line
     break after a call was content when it came alone: a streamed reply's content differed from the same reply
     read whole."""
-    from localspec.tools import HERMES
+    from localspec.api.tools import HERMES
 
     tagged = f'{HERMES.open}\n{{"name": "f", "arguments": {{}}}}\n{HERMES.close}'
     fence = '```json\n{"name": "f", "arguments": {"x": 1}}\n```'
@@ -941,7 +943,7 @@ def test_tool_call_parser_reads_a_streamed_reply_as_the_whole_one():
 def test_tool_call_parser_takes_a_bare_call_at_the_start_of_a_reply():
     """A reply that is only {"name": TOOL, "arguments": {...}} (what Qwen2.5-Coder-0.5B writes under
     tool_choice auto) came back as content; llama.cpp's Hermes parser takes it as a call."""
-    from localspec.tools import HERMES
+    from localspec.api.tools import HERMES
 
     names = [{"function": {"name": "get_weather"}}, {"function": {"name": "get_time"}}]
     bare = '{"name": "get_weather", "arguments": {"city": "Paris \\"}\\" {x}"}}'
@@ -970,7 +972,7 @@ def test_tool_call_parser_takes_a_bare_call_at_the_start_of_a_reply():
 
 def test_a_bad_tool_schema_names_its_tool():
     """The 400 named only "tools" and dumped the whole call grammar, other tools' schemas included."""
-    from localspec.openai_request import ApiError, structured
+    from localspec.api.request import ApiError, structured
 
     good = {"type": "function", "function": {"name": "g"}}
     bad = {"type": "function", "function": {"name": "f", "parameters": {
@@ -992,9 +994,9 @@ def whole(shape, events, stats) -> dict:
 def test_a_reply_cut_short_inside_a_call_says_length_and_shows_no_markup():
     """max_tokens ending a reply inside its second call: finish_reason said "tool_calls" and the half-written
     '<tool_call>{"name": ...' came back as content, to be shown to the user."""
-    from localspec.engine import Event
-    from localspec.openai_shapes import Chat
-    from localspec.tools import FORMATS
+    from localspec.core.stream import Event
+    from localspec.api.shapes import Chat
+    from localspec.api.tools import FORMATS
 
     fmt, tools = FORMATS[0], [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu'
@@ -1016,9 +1018,9 @@ def test_a_reply_cut_short_inside_a_call_says_length_and_shows_no_markup():
 def test_stop_strings_end_a_replys_content_not_its_calls():
     """A stop string such as "\\n" ended a reply inside its call's markup ('<tool_call>\\n{...'): the call was
     dropped and the reply said "stop" with nothing in it. With calls parsed, stop strings end the content."""
-    from localspec.engine import Event
-    from localspec.openai_shapes import Chat, chat_completion
-    from localspec.tools import FORMATS
+    from localspec.core.stream import Event
+    from localspec.api.shapes import Chat, chat_completion
+    from localspec.api.tools import FORMATS
 
     fmt, tools = FORMATS[0], [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
     call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
@@ -1065,7 +1067,7 @@ def test_stop_strings_end_a_replys_content_not_its_calls():
 
 
 def test_a_template_that_fails_on_odd_input_is_a_chat_error():
-    from localspec.chat import ChatError, render
+    from localspec.core.chat_template import ChatError, render
 
     with pytest.raises(ChatError, match="TypeError"):
         render("{{ messages[0].content + 1 }}", [{"role": "user", "content": "x"}])
@@ -1086,7 +1088,7 @@ def test_token_pieces_read_from_two_threads_at_once_are_each_right(smol_engine):
 
 
 def test_tool_arguments_hold_declared_keys_unless_the_schema_says_otherwise():
-    from localspec.tools import _params
+    from localspec.api.tools import _params
 
     def f(parameters=None):
         return _params({"function": {"name": "f"} | ({"parameters": parameters} if parameters is not None else {})})
@@ -1096,3 +1098,73 @@ def test_tool_arguments_hold_declared_keys_unless_the_schema_says_otherwise():
     for says in ({"additionalProperties": True}, {"$ref": "#/$defs/A"}, {"anyOf": []}, {"patternProperties": {}},
                  {"required": ["b"], "properties": {"a": {}}}):  # a required key it does not declare: left alone
         assert "additionalProperties" not in f({"type": "object"} | says) or says.get("additionalProperties")
+
+
+# ---- a hostile local program: idle senders, requests that must fail, requests HTTP cannot parse ----
+def test_idle_senders_never_lock_out_a_client(server):
+    """64 connections that sent headers with a Content-Length and then nothing made every API request a 503
+    queue_full for 30 s (each counted from its first byte). A request now counts by the bytes of its body that
+    have arrived: 80 such connections hold nothing, and a client is served meanwhile."""
+    idle = []
+    try:
+        for _ in range(80):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            sock.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                         "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode())
+            idle.append(sock)
+        r = httpx.post(server.url + COMPLETIONS, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert server.health()["status"] == "ok"
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_what_will_fail_is_refused_on_arrival_not_at_the_head_of_the_queue(server):
+    """A schema that refers to itself and out-of-vocabulary token ids were accepted, waited their turn (behind a
+    long generation), then failed: they are 400s before the generation running meanwhile has ended."""
+    long = {"prompt": COUNTING, "max_tokens": 900, "temperature": 0}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ended = []
+    t = threading.Thread(target=lambda: ended.append(
+        (httpx.post(server.url + COMPLETIONS, json=long, headers=auth, timeout=120), time.monotonic())), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.health()["busy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    selfref = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    refused = [
+        (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "a", "schema": selfref}}}, None),
+        (COMPLETIONS, {"prompt": [999999999]}, "prompt"),
+        (COMPLETIONS, {"prompt": [-1]}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, 2, 49152]}, "prompt"),
+    ]
+    answered = []
+    for path, body, param in refused:
+        r = httpx.post(server.url + path, json=body, headers=auth, timeout=60)
+        answered.append(time.monotonic())
+        assert r.status_code == 400, (body, r.text)
+        if param:
+            assert r.json()["error"]["param"] == param and "outside the vocabulary" in r.json()["error"]["message"]
+    t.join(120)
+    (response, end), = ended
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] > 100
+    assert max(answered) < end, "a refusal waited for the running generation"
+
+
+@pytest.mark.parametrize("head", ["Content-Length: -5", "Content-Length: abc", "(no Host header)"])
+def test_requests_http_cannot_parse_get_an_openai_error_object(server, head):
+    """uvicorn answered these with plain text; every other refusal is an OpenAI error object."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        lines = "" if head.startswith("(") else f"Host: 127.0.0.1\r\n{head}\r\n"
+        sock.sendall(f"POST {CHAT} HTTP/1.1\r\n{lines}Content-Type: application/json\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status, _, rest = data.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 400"), data
+    body = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert body["error"]["code"] == "invalid_http_request" and body["error"]["type"] == "invalid_request_error"

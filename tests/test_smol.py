@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 import localspec
-from localspec import engine
-from localspec.engine import Round, speculate
-from localspec.drafters import NEWLINE, PUNCT, WORD, AutoDrafter, ModelDrafter
-from localspec.model import Model, ModelConfig, ModelError
-from localspec.sampling import SamplingParams
+from localspec.core import engine
+from localspec.core.loop import Round, speculate
+from localspec.core.auto import NEWLINE, PUNCT, WORD, AutoDrafter
+from localspec.core.drafters import ModelDrafter
+from localspec.core.model import Model, ModelConfig, ModelError
+from localspec.core.sampling import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
 
@@ -202,7 +203,7 @@ def test_vocab_check_passes_for_identical_models(smol_engine):
 
 
 def test_one_target_decode_per_round_with_k_plus_1_logit_rows(smol_engine, monkeypatch):
-    import localspec.model as lm
+    import localspec.core.model as lm
 
     t = smol_engine.target
     calls = []
@@ -244,7 +245,7 @@ def test_auto_reads_each_tokens_kind_from_the_targets_vocabulary(smol_engine, mo
 def test_exact_mode_makes_the_draft_exact_or_says_why_not(smol_path, monkeypatch, capfd):
     with localspec.load(target=smol_path, draft=smol_path, n_ctx=512, exact=True) as llm:
         assert llm.target.cfg.exact and llm.draft.cfg.exact
-    import localspec.calibrate as cal
+    import localspec.store.calibration as cal
     real = cal.exact_flash_attn
 
     def draft_cannot(path, cfg, cache_dir, **kw):
@@ -270,7 +271,7 @@ def test_ctrl_c_while_a_model_loads_is_raised_once_it_has_loaded(smol_path):
     script = f"""
 import ctypes, signal
 import llama_cpp as L
-import localspec.model as lm
+import localspec.core.model as lm
 real, done, steps = L.llama_model_load_from_file, [], []
 
 def load(path, params):  # Ctrl-C arrives inside llama.cpp's load, at its first progress step

@@ -7,9 +7,9 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from .engine import make_request
-from .errors import LocalspecError
-from .grammar import GrammarError, compile_spec
+from ..core.errors import LocalspecError
+from ..core.grammar import GrammarError, compile_spec
+from ..core.request import make_request
 from .tools import _NAME, ToolError, ToolFormat, _params, check_choice, check_tools, detect
 
 
@@ -172,10 +172,15 @@ def extras(body: dict, *, chat: bool) -> tuple[dict, dict, bool]:
     return options, names, bool(so and so.get("include_usage"))
 
 
-def check_options(options: dict, names: dict) -> None:
-    """The engine's own range checks (and the constraint's compilation), before the request waits its turn."""
+def check_options(options: dict, names: dict, constraint=None) -> None:
+    """The engine's own range checks and the constraint's compilation, before the request waits its turn.
+    constraint(grammar), when given, builds the matcher the engine will build (the server's: a schema that
+    llguidance refuses only then, such as one that refers to itself, is a 400 on arrival, not at the head of
+    the queue)."""
     try:
-        make_request(**options)
+        spec = make_request(**options).constraint()
+        if spec is not None and constraint is not None:
+            constraint(spec)
     except LocalspecError as e:
         raise bad_request(e, names, None) from None
 
@@ -249,14 +254,15 @@ def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, respon
     return options, names, tools, fmt
 
 
-def parse_chat(body: dict, *, defaults: dict, n_ctx: int, template: str | None, token_of) -> ChatRequest:
+def parse_chat(body: dict, *, defaults: dict, n_ctx: int, template: str | None, token_of,
+               constraint=None) -> ChatRequest:
     messages = parse_messages(body.get("messages"), n_ctx=n_ctx)
     options, names = parse_options(body, chat=True, defaults=defaults)
     extra, extra_names, tools, fmt = structured(**{k: body.get(k) for k in _STRUCTURED}, template=template,
                                                 token_of=token_of)
     more, more_names, include_usage = extras(body, chat=True)
     options, names = options | extra | more, names | extra_names | more_names
-    check_options(options, names)
+    check_options(options, names, constraint)
     options.setdefault("max_tokens", n_ctx)  # OpenAI: until the context is full
     return ChatRequest(messages, options, names, bool(body.get("stream")), tools, fmt, include_usage,
                        content_stops(options) if fmt is not None else ())
@@ -270,12 +276,18 @@ def content_stops(options: dict) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def parse_completion(body: dict, *, defaults: dict) -> CompletionRequest:
+def parse_completion(body: dict, *, defaults: dict, n_vocab: int | None = None,
+                     constraint=None) -> CompletionRequest:
+    """n_vocab: token ids of a prompt outside 0..n_vocab-1 are refused here (llama.cpp aborts on them)."""
     prompt = parse_prompt(body.get("prompt"))
+    if isinstance(prompt, list) and n_vocab is not None:
+        bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise ApiError(f"prompt: token id {bad} is outside the vocabulary (0..{n_vocab - 1})", param="prompt")
     options, names = parse_options(body, chat=False, defaults=defaults)
     more, more_names, include_usage = extras(body, chat=False)
     options, names = options | more, names | more_names
-    check_options(options, names)
+    check_options(options, names, constraint)
     options.setdefault("max_tokens", 16)  # OpenAI's default for /v1/completions
     return CompletionRequest(prompt, options, names, bool(body.get("stream")), include_usage)
 

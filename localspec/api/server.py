@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hmac
-import ipaddress
 import json
 import logging
-import os
-import re
 import socket
 import threading
 import time
@@ -28,33 +24,27 @@ from typing import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .engine import Engine
-from .errors import LocalspecError
-from .grammar import GrammarError
-from .openai_request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_text, parse_chat,
+from ..core.engine import Engine
+from ..core.errors import LocalspecError
+from ..core.grammar import Grammar, GrammarError
+from .request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_text, parse_chat,
                              parse_completion)
-from .openai_shapes import Chat, Completion, error
+from .http import (LOOPBACK, MAX_BODY, BodyBudget, Cors, EventStream, HostCheck, ServeError, bind,  # noqa: F401
+                   disconnected, json_400_protocol, read_body, response, sse)
+from .shapes import Chat, Completion, error
 from .tools import for_template
 
 log = logging.getLogger("uvicorn.error")
 RETRY_AFTER_S = 1
-MAX_READING = 64  # requests read and parsed at once, before they queue for the engine
+MAX_HELD = 64 * MAX_BODY  # bytes of request bodies held at once while they arrive and are parsed
 
 
-def _response(e: ApiError) -> JSONResponse:
-    return JSONResponse(error(str(e), type=e.type, param=e.param, code=e.code), status_code=e.status,
-                        headers=e.headers)
-
-
-# ---- the worker: the only thread that runs the engine (request parsing, in other threads, only tokenizes) ----
 class Job:
     """One request's generation, handed from the event loop to the worker and answered item by item."""
 
@@ -205,69 +195,6 @@ def _shutting_down() -> ApiError:
     return ApiError("the server is shutting down", status=503, type="server_error", code="shutting_down")
 
 
-# ---- HTTP ----
-MAX_BODY = 8 << 20  # bytes: far more text than a local model's context holds
-
-
-async def _read_body(request: Request, timeout_s: float) -> bytes:
-    """The body, refused when over MAX_BODY or slower than timeout_s: either would hold a connection.
-
-    Refusals close the connection, which would otherwise wait for the rest of the body.
-    """
-    close = {"Connection": "close"}
-    too_large = ApiError(f"the request body is over {MAX_BODY >> 20} MiB", status=413, code="request_too_large",
-                         headers=close)
-    if int(request.headers.get("content-length") or 0) > MAX_BODY:  # uvicorn has checked it is a number
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_BODY:  # a chunked upload has no Content-Length to check first
-                    raise too_large
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ApiError(f"the request body did not arrive within {timeout_s:g} s", status=408,
-                       code="request_timeout", headers=close) from None
-    except ClientDisconnect:
-        log.info("%s %s: the client left before sending its whole body", request.method, request.url.path)
-        raise ApiError("the request body is incomplete") from None  # nobody is left to read this
-    return b"".join(chunks)
-
-
-async def _disconnected(receive) -> None:
-    """Returns once the client has gone (the request body has been read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events; the chunks' own cleanup (client gone, or done) cancels the job.
-
-    Starlette's version watches for a disconnect itself (or not, by ASGI version); the chunks already do.
-    """
-
-    def __init__(self, chunks: AsyncIterator[bytes]):
-        super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the client went away mid-send
-            pass
-        finally:
-            await self.body_iterator.aclose()
-
-
-def _sse(obj) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
 class App:
     """The routes over one engine; `create_app` wraps it in Starlette."""
 
@@ -277,7 +204,7 @@ class App:
         self.defaults = engine.defaults | defaults
         self.worker = Worker(engine, queue_size)
         self.created = int(time.time())
-        self.reading = 0  # requests being read and parsed now
+        self.bodies = BodyBudget(MAX_HELD)  # bytes of request bodies arrived and not yet parsed
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -293,7 +220,7 @@ class App:
         if request.headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json":
             raise ApiError("the request body must be JSON sent with 'Content-Type: application/json'", status=415,
                            code="unsupported_media_type")
-        return await _read_body(request, self.body_timeout_s)
+        return await read_body(request, self.body_timeout_s, self.bodies)
 
     @staticmethod
     def _decode(raw: bytes) -> dict:
@@ -311,10 +238,16 @@ class App:
     def _parse_chat(self, raw: bytes):
         llm = self.engine
         return parse_chat(self._decode(raw), defaults=self.defaults, n_ctx=llm.target.n_ctx,
-                          template=llm.target.chat_template(), token_of=llm.single_token)
+                          template=llm.target.chat_template(), token_of=llm.single_token, constraint=self._matcher)
 
     def _parse_completion(self, raw: bytes):
-        return parse_completion(self._decode(raw), defaults=self.defaults)
+        return parse_completion(self._decode(raw), defaults=self.defaults, n_vocab=self.engine.target.n_vocab,
+                                constraint=self._matcher)
+
+    def _matcher(self, spec: str) -> None:
+        """The constraint's matcher, built as the engine will build it, and its first mask: llguidance refuses some
+        grammars only there (a schema that refers to itself), which was a 400 at the head of the queue."""
+        Grammar(self.engine.target, spec).allowed()
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.engine.name, "busy": self.worker.current is not None,
@@ -336,16 +269,15 @@ class App:
 
     async def _parsed(self, request: Request, parse):
         """The request read and parsed. Parsing an 8 MiB body or compiling a schema takes a while: it runs off
-        the event loop, which serves every other client (their streams, disconnects, /health) meanwhile. At
-        most MAX_READING requests are read and parsed at once (each may hold MAX_BODY); more get a 503."""
-        if self.reading >= MAX_READING:
-            raise ApiError(f"the server is busy ({MAX_READING} requests arriving); retry shortly", status=503,
-                           type="server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-        self.reading += 1
+        the event loop, which serves every other client (their streams, disconnects, /health) meanwhile. A
+        request counts against the server's room only by the bytes of its body that have arrived (MAX_HELD in
+        all until parsed; more get a 503): connections that send headers and then nothing hold nothing, and
+        leave at the body timeout (64 of them once locked every client out, counted from their first byte)."""
+        raw = await self._body(request)
         try:
-            return await asyncio.to_thread(parse, await self._body(request))
+            return await asyncio.to_thread(parse, raw)
         finally:
-            self.reading -= 1
+            self.bodies.give(len(raw))
 
     async def chat(self, request: Request) -> Response:
         req = await self._parsed(request, self._parse_chat)
@@ -361,7 +293,7 @@ class App:
 
     async def _run(self, request: Request, job: Job, shape, stream: bool) -> Response:
         self.worker.submit(job)
-        gone = asyncio.ensure_future(_disconnected(request.receive))
+        gone = asyncio.ensure_future(disconnected(request.receive))
         handed_over = False
         try:
             item = await job.next(gone)
@@ -372,7 +304,7 @@ class App:
                 raise value
             if stream:
                 handed_over = True
-                return _EventStream(self._events(job, gone, shape))
+                return EventStream(self._events(job, gone, shape))
             while (item := await job.next(gone)) is not None:
                 what, value = item
                 if what == "event":
@@ -390,18 +322,18 @@ class App:
     async def _events(self, job: Job, gone: asyncio.Future, shape) -> AsyncIterator[bytes]:
         try:
             for c in shape.first_chunks():
-                yield _sse(c)
+                yield sse(c)
             while (item := await job.next(gone)) is not None:
                 what, value = item
                 if what == "event":
                     for c in shape.chunks(value):
-                        yield _sse(c)
+                        yield sse(c)
                     continue
                 if what == "end":
                     for c in shape.final_chunks(value):
-                        yield _sse(c)
+                        yield sse(c)
                 else:  # the response has started: the error goes in the stream, as OpenAI sends it
-                    yield _sse(error(str(value), type=value.type, param=value.param, code=value.code))
+                    yield sse(error(str(value), type=value.type, param=value.param, code=value.code))
                 yield b"data: [DONE]\n\n"
                 return
         finally:
@@ -414,66 +346,17 @@ def _reject_constant(name: str):
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return _response(exc)
+    return response(exc)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return _response(ApiError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
+    return response(ApiError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
                     code=code, headers=exc.headers))
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return _response(ApiError(f"internal error: {exc}", status=500, type="server_error"))
-
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _hostname(host: str) -> str:
-    """'[::1]:8080' -> '::1', 'LocalHost:8080' -> 'localhost'."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host if host.count(":") > 1 else host.partition(":")[0]  # a bare IPv6 address has no port
-
-
-class _HostCheck:
-    """Refuses a Host header that names another site. A web page whose name is rebound to 127.0.0.1 (DNS
-    rebinding) reaches this port, but its requests still carry that name; an IP address cannot be rebound."""
-
-    def __init__(self, app, hosts: tuple[str, ...]):
-        self.app, self.hosts = app, {_hostname(h) for h in hosts}
-
-    def allowed(self, host: str) -> bool:
-        if not host or "*" in self.hosts or host in self.hosts:  # no Host at all: not a browser
-            return True
-        try:
-            ipaddress.ip_address(host)
-            return True
-        except ValueError:
-            return False
-
-    async def __call__(self, scope, receive, send) -> None:
-        host = _hostname(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else ""
-        if not self.allowed(host):
-            response = _response(ApiError(f"this server does not answer to the name {host!r}: start it with --allow-host "
-                                f"{host} (or with --api-key) to use that name", status=403,
-                                code="host_not_allowed"))
-            return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-class _Cors(CORSMiddleware):
-    """Starlette's, with a refused preflight answered by an OpenAI error object instead of plain text."""
-
-    def preflight_response(self, request_headers: Headers) -> Response:
-        response = super().preflight_response(request_headers)
-        if response.status_code == 200:
-            return response
-        return _response(ApiError(f"CORS preflight refused ({response.body.decode()}): start the server with --cors ORIGIN "
-                        "to let a web page from ORIGIN call the API", status=response.status_code,
-                        code="cors_refused"))
+    return response(ApiError(f"internal error: {exc}", status=500, type="server_error"))
 
 
 def create_app(engine: Engine, *, api_key: str | None = None, cors: tuple[str, ...] = (),
@@ -494,9 +377,9 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: tuple[str, .
         await asyncio.to_thread(app.worker.stop)
 
     # with a key, a rebound page still cannot authenticate: Host names are then free
-    middleware = [Middleware(_HostCheck, hosts=hosts)] if api_key is None else []
+    middleware = [Middleware(HostCheck, hosts=hosts)] if api_key is None else []
     if cors:
-        middleware.append(Middleware(_Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
+        middleware.append(Middleware(Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
                                      allow_headers=["*"]))
     routes = [Route("/health", app.health), Route("/v1/models", app.models),
               Route("/v1/models/{model:path}", app.model),
@@ -521,55 +404,6 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-class ServeError(LocalspecError):
-    """The server cannot listen where it was asked to (a port in use, an address not of this machine)."""
-
-
-def bind(host: str, port: int) -> list[socket.socket]:
-    """The server's sockets (one per address the host names, as asyncio would make them), listening: `localspec
-    serve` takes them before loading the models, so that a port in use or a wrong --host is said at once, not
-    after minutes of loading and measuring (connections made meanwhile wait for the server)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as e:
-        raise ServeError(f"--host {host}: not an address of this machine ({getattr(e, 'strerror', None) or e}); "
-                         "give one such as 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
-    socks = []
-    try:
-        for family, kind, proto, addr in dict.fromkeys((f, k, p, a) for f, k, p, _, a in infos):
-            try:
-                socks.append(_listen(family, kind, proto, addr))
-            except OSError as e:
-                if e.errno != errno.EADDRNOTAVAIL:  # an address family this machine lacks is skipped, as by asyncio
-                    raise
-                skipped = e
-        if not socks:
-            raise skipped
-    except OSError as e:
-        for sock in socks:
-            sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ServeError(f"port {port} on {host} is in use (another localspec serve, or another server): "
-                             "stop it or pick another --port") from None
-        raise ServeError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
-    return socks
-
-
-def _listen(family, kind, proto, addr) -> socket.socket:
-    sock = socket.socket(family, kind, proto)
-    try:
-        if os.name == "posix":  # elsewhere it would let two servers share the port
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:  # '::' is IPv6 only, as asyncio has it
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(addr)
-        sock.listen(2048)  # now: a second server binding the same port meanwhile is refused
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           cors: tuple[str, ...] = (), queue_size: int = 16, allow_hosts: tuple[str, ...] = (),
           defaults: dict | None = None, socks: list[socket.socket] | None = None) -> None:
@@ -581,7 +415,8 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key:
     socks = socks or bind(host, port)
     app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size, defaults=defaults,
                      hosts=(*LOOPBACK, host, *allow_hosts))
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info",
+                            http=json_400_protocol())
     if host not in LOOPBACK and api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model "
                     "(by IP address, or by a name given with --allow-host)", host)

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Callable, Iterator, Sequence
 
-from .text import StopStrings
+from ..core.text import StopStrings
 
 
 def usage(stats) -> dict:

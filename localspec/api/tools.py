@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .errors import LocalspecError
+from ..core.errors import LocalspecError
 
 
 class ToolError(LocalspecError):
@@ -177,7 +177,7 @@ def check_choice(choice, tools: list[dict] | None) -> str:
 
 def for_template(messages: Sequence[dict]) -> list[dict]:
     """Messages as chat templates read them: a past call's arguments as an object, not OpenAI's JSON text."""
-    from .chat import ChatError, text_of
+    from ..core.chat_template import ChatError, text_of
 
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ChatError("messages must be a non-empty list of {role, content} objects")

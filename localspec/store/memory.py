@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import LocalspecError
+from ..core.errors import LocalspecError
 
 # Bytes per element of each KV cache type llama.cpp accepts (block size / elements per block for quants).
 KV_BYTES = {

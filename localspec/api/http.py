@@ -1,0 +1,233 @@
+"""HTTP plumbing of the server, below its routes: bounded request bodies, server-sent events, the Host-header
+and CORS checks (a browser tab is a client too), OpenAI-shaped error responses, and binding the sockets.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import json
+import logging
+import os
+import socket
+from typing import AsyncIterator
+
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..core.errors import LocalspecError
+from .request import ApiError
+from .shapes import error
+
+log = logging.getLogger("uvicorn.error")
+
+
+def response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error(str(e), type=e.type, param=e.param, code=e.code), status_code=e.status,
+                        headers=e.headers)
+
+
+# ---- the worker: the only thread that runs the engine (request parsing, in other threads, only tokenizes) ----
+# ---- HTTP ----
+MAX_BODY = 8 << 20  # bytes: far more text than a local model's context holds
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once: taken as they arrive, given back once parsed. Past the limit a
+    request gets a 503 with Retry-After; a connection that has sent nothing holds nothing."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            raise ApiError(f"the server is busy reading other requests ({self.held >> 20} MiB arriving); retry "
+                           "shortly", status=503, type="server_error", code="queue_full",
+                           headers={"Retry-After": "1", "Connection": "close"})
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
+async def read_body(request: Request, timeout_s: float, budget: BodyBudget) -> bytes:
+    """The body, refused when over MAX_BODY or slower than timeout_s: either would hold a connection. Its
+    bytes are taken from `budget` as they arrive; the caller gives them back once it is done with the body.
+
+    Refusals close the connection, which would otherwise wait for the rest of the body.
+    """
+    close = {"Connection": "close"}
+    too_large = ApiError(f"the request body is over {MAX_BODY >> 20} MiB", status=413, code="request_too_large",
+                         headers=close)
+    if int(request.headers.get("content-length") or 0) > MAX_BODY:  # uvicorn has checked it is a number
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                if size + len(chunk) > MAX_BODY:  # a chunked upload has no Content-Length to check first
+                    raise too_large
+                budget.take(len(chunk))
+                size += len(chunk)
+                chunks.append(chunk)
+    except TimeoutError:
+        budget.give(size)
+        raise ApiError(f"the request body did not arrive within {timeout_s:g} s", status=408,
+                       code="request_timeout", headers=close) from None
+    except ClientDisconnect:
+        budget.give(size)
+        log.info("%s %s: the client left before sending its whole body", request.method, request.url.path)
+        raise ApiError("the request body is incomplete") from None  # nobody is left to read this
+    except BaseException:
+        budget.give(size)
+        raise
+    return b"".join(chunks)
+
+
+def json_400_protocol():
+    """uvicorn's HTTP protocol, answering a request it cannot parse (Content-Length '-5' or 'abc', an empty
+    Host) with an OpenAI error object, as every other refusal is, instead of uvicorn's plain text."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class Protocol(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(error("the request is not valid HTTP/1.1 (its request line or a header, such as a "
+                                    "Content-Length that is not a number or an empty Host, cannot be parsed)",
+                                    code="invalid_http_request")).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+
+    return Protocol
+
+
+async def disconnected(receive) -> None:
+    """Returns once the client has gone (the request body has been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; the chunks' own cleanup (client gone, or done) cancels the job.
+
+    Starlette's version watches for a disconnect itself (or not, by ASGI version); the chunks already do.
+    """
+
+    def __init__(self, chunks: AsyncIterator[bytes]):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away mid-send
+            pass
+        finally:
+            await self.body_iterator.aclose()
+
+
+def sse(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def hostname(host: str) -> str:
+    """'[::1]:8080' -> '::1', 'LocalHost:8080' -> 'localhost'."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host if host.count(":") > 1 else host.partition(":")[0]  # a bare IPv6 address has no port
+
+
+class HostCheck:
+    """Refuses a Host header that names another site. A web page whose name is rebound to 127.0.0.1 (DNS
+    rebinding) reaches this port, but its requests still carry that name; an IP address cannot be rebound."""
+
+    def __init__(self, app, hosts: tuple[str, ...]):
+        self.app, self.hosts = app, {hostname(h) for h in hosts}
+
+    def allowed(self, host: str) -> bool:
+        if not host or "*" in self.hosts or host in self.hosts:  # no Host at all: not a browser
+            return True
+        try:
+            ipaddress.ip_address(host)
+            return True
+        except ValueError:
+            return False
+
+    async def __call__(self, scope, receive, send) -> None:
+        host = hostname(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else ""
+        if not self.allowed(host):
+            refusal = response(ApiError(f"this server does not answer to the name {host!r}: start it with --allow-host "
+                                        f"{host} (or with --api-key) to use that name", status=403,
+                                        code="host_not_allowed"))
+            return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class Cors(CORSMiddleware):
+    """Starlette's, with a refused preflight answered by an OpenAI error object instead of plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        answer = super().preflight_response(request_headers)
+        if answer.status_code == 200:
+            return answer
+        return response(ApiError(f"CORS preflight refused ({answer.body.decode()}): start the server with --cors ORIGIN "
+                        "to let a web page from ORIGIN call the API", status=answer.status_code,
+                        code="cors_refused"))
+
+
+class ServeError(LocalspecError):
+    """The server cannot listen where it was asked to (a port in use, an address not of this machine)."""
+
+
+def bind(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets (one per address the host names, as asyncio would make them), listening: `localspec
+    serve` takes them before loading the models, so that a port in use or a wrong --host is said at once, not
+    after minutes of loading and measuring (connections made meanwhile wait for the server)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ServeError(f"--host {host}: not an address of this machine ({getattr(e, 'strerror', None) or e}); "
+                         "give one such as 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    socks = []
+    try:
+        for family, kind, proto, addr in dict.fromkeys((f, k, p, a) for f, k, p, _, a in infos):
+            try:
+                socks.append(_listen(family, kind, proto, addr))
+            except OSError as e:
+                if e.errno != errno.EADDRNOTAVAIL:  # an address family this machine lacks is skipped, as by asyncio
+                    raise
+                skipped = e
+        if not socks:
+            raise skipped
+    except OSError as e:
+        for sock in socks:
+            sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"port {port} on {host} is in use (another localspec serve, or another server): "
+                             "stop it or pick another --port") from None
+        raise ServeError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
+    return socks
+
+
+def _listen(family, kind, proto, addr) -> socket.socket:
+    sock = socket.socket(family, kind, proto)
+    try:
+        if os.name == "posix":  # elsewhere it would let two servers share the port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # '::' is IPv6 only, as asyncio has it
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+        sock.listen(2048)  # now: a second server binding the same port meanwhile is refused
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,6 @@
+"""The core: models, the decoding loop, drafters, acceptance, sampling, grammars and streams.
+
+Dependency rule: core imports nothing else of localspec (no store, api or apps): it knows nothing of HTTP,
+$LOCALSPEC_HOME's files or the command line. What it needs from them (this machine's kept costs) is passed
+in. tests/test_layout.py checks it.
+"""

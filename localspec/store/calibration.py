@@ -1,0 +1,148 @@
+"""This machine's measurements, kept: speculation costs (core.costs) and exact mode's verdicts (core.exact),
+as JSON under $LOCALSPEC_HOME/calibration, once per machine, llama.cpp build, model files and settings.
+`localspec calibrate` shows the costs and `--force` measures again.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from importlib.metadata import version
+from pathlib import Path
+
+from ..core.costs import Costs, cpu_name, measure, plan, system_info
+from ..core.exact import Cell, describe, probe_depths, probe_exact
+from ..core.model import Model, ModelConfig, ModelError, default_threads, tiled_matmul_setting
+
+FORMAT = 7  # bump when the cached cost files change shape or how they are measured
+PROBE_FORMAT = 2  # bump when what the exact probe covers changes: older verdicts are then not trusted
+
+
+def _ident(path: Path, cfg: ModelConfig) -> list:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns, repr(cfg)]
+
+
+def machine_key(*parts) -> str:
+    """Same CPU, build, library version and settings -> same answer. Threads are the resolved count."""
+    key = [platform.machine(), cpu_name(), system_info(), version("llama-cpp-python"), *parts]
+    return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:24]
+
+
+def cache_key(target: Model, draft: Model | None) -> str:
+    """The costs' key: machine, build, files and settings. The context size counts only as far as it changes
+    what is measured (the depths and batch sizes that fit): --n-ctx 2048 and 4096 share one measurement."""
+    def ident(m: Model | None):
+        if m is None:
+            return None
+        measured = plan(m.n_ctx, m.n_batch)
+        return [*_ident(m.path, replace(m.cfg, n_ctx=16)), measured, m.flash_attn, m.n_threads]
+    return machine_key("costs", FORMAT, ident(target), ident(draft))
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: Path, data: dict) -> None:
+    """Keep a measurement; where that fails (LOCALSPEC_HOME a file, a full disk) say so and go on: it is measured
+    again next time, never lost this time."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        print(f"localspec: could not keep the measurement in {path.parent} ({e.strerror or e}); it is measured "
+              "again next time (set LOCALSPEC_HOME to a writable folder)", file=sys.stderr)
+
+
+def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, force: bool = False,
+                    stop=None) -> Costs:
+    """The cached costs for this machine and these models, measuring them (with progress) the first time.
+    stop: as measure() takes it."""
+    path = cache_dir / f"{cache_key(target, draft)}.json"
+    data = None if force else _read(path)
+    if data is not None:
+        try:
+            return Costs.from_dict(data)
+        except (KeyError, TypeError, ValueError):
+            pass
+    print(f"localspec: measuring speculation costs on this machine for {target.path.name} "
+          "(once; half a minute to a few minutes, by the CPU)", file=sys.stderr, flush=True)
+    costs = measure(target, draft, log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True), stop=stop)
+    _write(path, asdict(costs))
+    return costs
+
+
+def costs_keeper(cache_dir: Path):
+    """What an Engine calls for its costs: load_or_measure, kept in cache_dir."""
+    def costs(target: Model, draft: Model | None, *, force: bool = False, stop=None) -> Costs:
+        return load_or_measure(target, draft, cache_dir, force=force, stop=stop)
+    return costs
+
+
+def exact_flash_attn(path: Path, cfg: ModelConfig, cache_dir: Path, *, force: bool = False, log=None) -> str:
+    """The flash-attention setting under which this machine's logits are bit-identical, single-token against
+    batched, at every verify width and over the whole context (probe_exact).
+
+    Tries the setting asked for, or with 'auto' first off (faster on a CPU) then on. Cached per machine,
+    build, model and settings: a verdict for a context at least as deep is reused. Raises ModelError naming
+    the cells that differ and the fix when no setting is exact.
+    """
+    threads = cfg.n_threads or default_threads()
+    key = machine_key("exact", PROBE_FORMAT, tiled_matmul_setting(),
+                      _ident(path, replace(cfg, n_ctx=16, n_threads=threads)))  # any n_ctx: the verdict says how deep
+    file = cache_dir / f"exact-{key}.json"
+    seen = None if force else _read(file)
+    if not isinstance(seen, dict):
+        seen = {}
+    order = ("off", "on") if cfg.flash_attn == "auto" else (cfg.flash_attn,)
+    found: dict[str, list[Cell]] = {}
+    for fa in order:
+        verdict = seen.get(fa)
+        try:
+            cells = [Cell(*c) for c in verdict["cells"]]
+            covers = cells and min(c.depth for c in cells) < cfg.n_ctx or verdict["n_ctx"] >= cfg.n_ctx
+        except (KeyError, TypeError, ValueError):
+            covers = False
+        if not covers:
+            if log:
+                log(f"checking that batched logits equal single-token logits for {path.name} (flash attention {fa}, "
+                    f"every verify width at {len(probe_depths(cfg.n_ctx))} depths up to {cfg.n_ctx} tokens; once "
+                    "for these settings, a minute or a few)")
+            t = time.perf_counter()
+            cells = probe_exact(path, cfg, fa, log)
+            if log:
+                log(f"  {'exact' if not cells else 'not exact'} with flash attention {fa} "
+                    f"({time.perf_counter() - t:.0f} s)")
+            seen[fa] = {"n_ctx": cfg.n_ctx, "cells": [list(asdict(c).values()) for c in cells]}
+            _write(file, seen)
+        found[fa] = [c for c in cells if c.depth < cfg.n_ctx]
+        if not found[fa]:
+            return fa
+    diffs = "; ".join(f"flash attention {fa}: {describe(found[fa])}" for fa in order)
+    info = system_info()
+    if "LLAMAFILE = 1" in info:
+        fix = ("rebuild llama-cpp-python without llamafile's sgemm: CMAKE_ARGS=\"-DGGML_LLAMAFILE=OFF\" pip install "
+               "--force-reinstall --no-cache-dir \"llama-cpp-python>=0.3.36,<0.4\"")
+    elif tiled_matmul_setting() != "0":
+        fix = ("ggml's tiled matmul was on when this process loaded its first model: set GGML_CPU_TILED_MM=0 before "
+               "starting, or load the exact models first (exact mode turns it off then)")
+    else:
+        fix = "no build setting known to localspec makes this CPU exact"
+    raise ModelError(
+        f"exact mode cannot be honoured on this machine: single-token and batched logits of {path.name} differ "
+        f"({diffs}), so speculative output could differ from plain output. llama.cpp's kernels decide this per "
+        f"CPU and build ({info}). Fix: {fix}"
+        + (" (and try flash_attn 'auto')" if cfg.flash_attn != "auto" else "") + "; or run without exact")
