@@ -318,9 +318,11 @@ def test_within_the_run_prices_drafting_rounds_at_the_single_decodes_around_them
 def test_each_run_of_our_methods_is_priced_within_itself(smol_engine, tmp_path):
     """Plain prices at its own speed; a drafter's figure is the one its written trace gives; peers have none
     (no rounds to read); the table shows the row."""
-    (row,) = bench.run(smol_engine, [LONG], methods=("none", "ngram", "peer-2"), max_tokens=48, trace_dir=tmp_path)
+    listing = prompt("list", "Write a Python function that checks whether a number is prime, with a docstring and "
+                             "two tests.")  # some rounds drafted, most plain (16 at least, to price by)
+    (row,) = bench.run(smol_engine, [listing], methods=("none", "ngram", "peer-2"), max_tokens=48, trace_dir=tmp_path)
     assert row.runs["none"].within == pytest.approx(1.0, abs=1e-3) and row.runs["peer-2"].within is None
-    rounds = [json.loads(x) for x in (tmp_path / "long.ngram.1.jsonl").read_text().splitlines()]
+    rounds = [json.loads(x) for x in (tmp_path / "list.ngram.1.jsonl").read_text().splitlines()]
     assert sum(r["drafted"] > 0 for r in rounds) > 0 and sum(r["drafted"] == 0 for r in rounds) >= 16
     assert row.runs["ngram"].within == bench.within_run(rounds) > 0
     assert "| within the run | 1.00x (≥ 1.00x) |" in bench.table([row])

@@ -187,7 +187,7 @@ def test_bench_end_to_end_json(smol_path, tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "localspec", "bench", "--target", str(smol_path), "--draft",
                         str(smol_path), "--prompts", str(prompts), "--max-tokens", "16", "--json", str(out),
-                        "--n-ctx", "1024", "--repeat", "2"], capture_output=True, text=True, timeout=600,
+                        "--n-ctx", "1024"], capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, LOCALSPEC_HOME=str(shared_calibration(tmp_path / "home"))))
     assert r.returncode == 0, r.stderr
     assert "| prompt | plain | model | ngram | hybrid | auto | peer-2 | peer-10 |" in r.stdout
