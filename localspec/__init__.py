@@ -49,7 +49,7 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
          flash_attn_draft: str | None = None, type_k_draft: str | None = None, type_v_draft: str | None = None,
          exact: bool = False, target_kwargs: Mapping[str, object] | None = None,
          draft_kwargs: Mapping[str, object] | None = None, memory_check: bool = True, allow_mirror: bool = True,
-         verbose: bool = False) -> Engine:
+         history_mb: float = 0, verbose: bool = False) -> Engine:
     """Load a target model and, optionally, a draft model that shares its tokenizer.
 
     Models by path (target=, draft=) or by name: pair="NAME" from models.toml, or nothing at all for the
@@ -72,6 +72,11 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     cannot be.
     target_kwargs/draft_kwargs: any other llama_model_params / llama_context_params field by name.
     memory_check: refuse to load, saying what to lower, when the models clearly cannot fit in memory.
+    history_mb: keep what requests generate (up to this many MB per scope, the oldest dropped first) and let
+    drafter 'auto' draft from it: apps that repeat themselves (one JSON shape over many documents, an agent's
+    tool calls, code regenerated after an edit) get those tokens drafted. Off (0) by default: outside exact
+    mode, a draft from history can flip a near-tie at temperature 0, so an output could depend on earlier
+    requests. A request opts out with history=False.
     verbose: show llama.cpp's own log output and the memory estimate.
     """
     from .api.completions import Engine
@@ -153,4 +158,5 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
         if d is not None:
             d.close()
         raise
-    return Engine(t, d, name=name, defaults=defaults, costs=costs_keeper(registry.home() / "calibration"))
+    return Engine(t, d, name=name, defaults=defaults, costs=costs_keeper(registry.home() / "calibration"),
+                  history_mb=history_mb)

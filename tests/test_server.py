@@ -1168,3 +1168,23 @@ def test_requests_http_cannot_parse_get_an_openai_error_object(server, head):
     assert status.startswith(b"HTTP/1.1 400"), data
     body = json.loads(rest.partition(b"\r\n\r\n")[2])
     assert body["error"]["code"] == "invalid_http_request" and body["error"]["type"] == "invalid_request_error"
+
+
+def test_each_api_key_has_its_own_history_and_a_request_may_opt_out(smol_engine, monkeypatch):
+    """With several keys (one per app) and a history, a key's outputs are kept in its own scope, so they never
+    draft another key's requests; localspec.history=false keeps a request out of it."""
+    from starlette.testclient import TestClient
+
+    from localspec.core.history import History
+
+    monkeypatch.setattr(smol_engine, "history", History(4))
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 8}
+    with TestClient(create_app(smol_engine, api_key=("app-one", "app-two")), base_url="http://127.0.0.1") as client:
+        one, two = ({"Authorization": f"Bearer {k}"} for k in ("app-one", "app-two"))
+        assert client.post(CHAT, json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert client.post(CHAT, json=body | {"localspec": {"history": False}}, headers=two).status_code == 200
+        assert smol_engine.history.cache("key-1").size == 0  # opted out: nothing kept
+        assert client.post(CHAT, json=body, headers=one).status_code == 200
+        assert smol_engine.history.cache("key-0").size > 0 and smol_engine.history.cache("key-1").size == 0
+        r = client.post(CHAT, json=body | {"localspec": {"history": "no"}}, headers=one)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "localspec.history"

@@ -29,7 +29,7 @@ _OPTIONS = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_to
             "stop": ("stop", "stop"), "top_k": ("top_k", int), "min_p": ("min_p", float),
             "repeat_penalty": ("repeat_penalty", float)}
 # under the request's "localspec" key
-_SPECULATION = {"drafter": str, "k": int, "accept": str, "p_min": float, "threshold": float}
+_SPECULATION = {"drafter": str, "k": int, "accept": str, "p_min": float, "threshold": float, "history": bool}
 # sent by OpenAI clients and changing nothing here
 _IGNORED = {"model", "stream", "user", "store", "metadata", "service_tier", "localspec", "safety_identifier",
             "prompt_cache_key", "prompt_cache_retention", "verbosity"}
@@ -44,7 +44,7 @@ _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "functions", 
 _COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
 _KNOWN = _OPTIONS.keys() | _IGNORED | _NOOP.keys() | _CHAT_ONLY | _COMPLETION_ONLY | _EXTRAS
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
-_KINDS = {int: "an integer in the 64-bit range", float: "a finite number", str: "a string",
+_KINDS = {int: "an integer in the 64-bit range", float: "a finite number", str: "a string", bool: "true or false",
           "stop": "a string or an array of strings"}
 MAX_STOP, MAX_STOP_CHARS = 4, 256  # OpenAI's limits; each stop string is searched for after every token
 MAX_TOOLS = 128  # OpenAI's limit
@@ -76,6 +76,7 @@ def _typed(param: str, value, kind):
         ok = {int: lambda v: type(v) is int and -2**63 <= v < 2**63,
               float: lambda v: type(v) in (int, float) and math.isfinite(float(v)),
               str: lambda v: isinstance(v, str),
+              bool: lambda v: isinstance(v, bool),
               "stop": lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
               }[kind](value)
     except OverflowError:  # float(10**400)
@@ -106,7 +107,7 @@ def parse_options(body: dict, *, chat: bool, defaults: dict) -> tuple[dict, dict
             options[name], names[name] = _typed(field, body[field], kind), field
     spec = {} if body.get("localspec") is None else body["localspec"]
     if not isinstance(spec, dict):
-        raise ApiError("localspec must be an object with drafter, k, accept, p_min or threshold", param="localspec")
+        raise ApiError(f"localspec must be an object with {', '.join(_SPECULATION)}", param="localspec")
     for field, value in spec.items():
         if field not in _SPECULATION:
             raise ApiError(f"unknown field localspec.{field}; allowed: {', '.join(_SPECULATION)}",

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
@@ -48,8 +48,8 @@ MAX_HELD = 64 * MAX_BODY  # bytes of request bodies held at once while they arri
 class Job:
     """One request's generation, handed from the event loop to the worker and answered item by item."""
 
-    def __init__(self, kind: str, req: ChatRequest | CompletionRequest):
-        self.kind, self.req = kind, req
+    def __init__(self, kind: str, req: ChatRequest | CompletionRequest, scope: str = ""):
+        self.kind, self.req, self.scope = kind, req, scope  # scope: whose history it drafts from (per API key)
         self.prompt_param = "messages" if kind == "chat" else "prompt"
         self.loop = asyncio.get_running_loop()
         self.out: asyncio.Queue = asyncio.Queue()
@@ -163,7 +163,8 @@ class Worker:
         try:
             # the engine checks `cancel` between prefill chunks and between rounds: a client that leaves, or
             # a shutdown, stops even a long prefill within a chunk
-            stream = self.engine.stream(self._tokens(job), cancel=job.cancelled.is_set, **job.req.options)
+            stream = self.engine.stream(self._tokens(job), cancel=job.cancelled.is_set, scope=job.scope,
+                                        **job.req.options)
         except ApiError as e:
             job.put(("error", e))
             return
@@ -198,24 +199,27 @@ def _shutting_down() -> ApiError:
 class App:
     """The routes over one engine; `create_app` wraps it in Starlette."""
 
-    def __init__(self, engine: Engine, *, api_key: str | None, queue_size: int, defaults: dict,
+    def __init__(self, engine: Engine, *, api_key: str | Sequence[str] | None, queue_size: int, defaults: dict,
                  body_timeout_s: float):
-        self.engine, self.api_key, self.body_timeout_s = engine, api_key, body_timeout_s
+        self.engine, self.api_keys, self.body_timeout_s = engine, api_keys(api_key), body_timeout_s
         self.defaults = engine.defaults | defaults
         self.worker = Worker(engine, queue_size)
         self.created = int(time.time())
         self.bodies = BodyBudget(MAX_HELD)  # bytes of request bodies arrived and not yet parsed
 
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
+    def _authorize(self, request: Request) -> str:
+        """The request's scope: which key it holds ('' where the server has none), or 401."""
+        if not self.api_keys:
+            return ""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise ApiError("missing or incorrect API key: send 'Authorization: Bearer KEY' with the server's "
-                           "--api-key", status=401, code="invalid_api_key")
+        token = token.strip().encode()
+        held = [i for i, key in enumerate(self.api_keys) if hmac.compare_digest(token, key.encode())]
+        if scheme.lower() == "bearer" and held:
+            return f"key-{held[0]}"  # each key's outputs draft only its own requests (history_mb)
+        raise ApiError("missing or incorrect API key: send 'Authorization: Bearer KEY' with one of the server's "
+                       "--api-key", status=401, code="invalid_api_key")
 
     async def _body(self, request: Request) -> bytes:
-        self._authorize(request)
         # a web page may POST text/plain or a form to any site without asking first (no CORS preflight)
         if request.headers.get("content-type", "").partition(";")[0].strip().lower() != "application/json":
             raise ApiError("the request body must be JSON sent with 'Content-Type: application/json'", status=415,
@@ -273,23 +277,24 @@ class App:
         request counts against the server's room only by the bytes of its body that have arrived (MAX_HELD in
         all until parsed; more get a 503): connections that send headers and then nothing hold nothing, and
         leave at the body timeout (64 of them once locked every client out, counted from their first byte)."""
+        scope = self._authorize(request)
         raw = await self._body(request)
         try:
-            return await asyncio.to_thread(parse, raw)
+            return await asyncio.to_thread(parse, raw), scope
         finally:
             self.bodies.give(len(raw))
 
     async def chat(self, request: Request) -> Response:
-        req = await self._parsed(request, self._parse_chat)
+        req, scope = await self._parsed(request, self._parse_chat)
         llm = self.engine
         shape = Chat(llm.name, req.tool_format, req.tools, piece=llm.target.piece, include_usage=req.include_usage,
                      stop=req.stop)
-        return await self._run(request, Job("chat", req), shape, req.stream)
+        return await self._run(request, Job("chat", req, scope), shape, req.stream)
 
     async def completions(self, request: Request) -> Response:
-        req = await self._parsed(request, self._parse_completion)
+        req, scope = await self._parsed(request, self._parse_completion)
         shape = Completion(self.engine.name, piece=self.engine.target.piece, include_usage=req.include_usage)
-        return await self._run(request, Job("completion", req), shape, req.stream)
+        return await self._run(request, Job("completion", req, scope), shape, req.stream)
 
     async def _run(self, request: Request, job: Job, shape, stream: bool) -> Response:
         self.worker.submit(job)
@@ -359,7 +364,12 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return response(ApiError(f"internal error: {exc}", status=500, type="server_error"))
 
 
-def create_app(engine: Engine, *, api_key: str | None = None, cors: tuple[str, ...] = (),
+def api_keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The keys a server accepts: one, several (each its own scope of history), or none."""
+    return () if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(api_key)
+
+
+def create_app(engine: Engine, *, api_key: str | Sequence[str] | None = None, cors: tuple[str, ...] = (),
                queue_size: int = 16, hosts: tuple[str, ...] = LOOPBACK, defaults: dict | None = None,
                body_timeout_s: float = 30.0) -> Starlette:
     """The ASGI app: /v1/models, /v1/chat/completions, /v1/completions, /health over one engine.
@@ -377,7 +387,7 @@ def create_app(engine: Engine, *, api_key: str | None = None, cors: tuple[str, .
         await asyncio.to_thread(app.worker.stop)
 
     # with a key, a rebound page still cannot authenticate: Host names are then free
-    middleware = [Middleware(HostCheck, hosts=hosts)] if api_key is None else []
+    middleware = [Middleware(HostCheck, hosts=hosts)] if not api_keys(api_key) else []
     if cors:
         middleware.append(Middleware(Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
                                      allow_headers=["*"]))
@@ -404,7 +414,7 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | Sequence[str] | None = None,
           cors: tuple[str, ...] = (), queue_size: int = 16, allow_hosts: tuple[str, ...] = (),
           defaults: dict | None = None, socks: list[socket.socket] | None = None) -> None:
     """Serve until SIGINT/SIGTERM, which end the running and waiting generations with a 'shutting down' error.
@@ -417,7 +427,7 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key:
                      hosts=(*LOOPBACK, host, *allow_hosts))
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info",
                             http=json_400_protocol())
-    if host not in LOOPBACK and api_key is None:
+    if host not in LOOPBACK and not api_keys(api_key):
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model "
                     "(by IP address, or by a name given with --allow-host)", host)
     shown = f"[{host}]" if ":" in host else host

@@ -16,6 +16,10 @@ tokens — and each output is validated against the schema (with `jsonschema`, w
 
 A prompt line may carry a `prediction` (Predicted Outputs: the text it expects back, e.g. the file being
 edited): the method `auto-pred` is `auto` given it; every other method runs without it.
+
+The method `auto-hist` is `auto` with a history (Engine history_mb) holding the plain outputs of the prompts
+before it in the file, as an app's earlier requests would leave it: the `history` set is a workload that
+repeats itself across requests. Every other method runs without a history.
 """
 from __future__ import annotations
 
@@ -41,9 +45,13 @@ from .report import WITHIN_WINDOW, Row, Run, geomean, plot, spread, table  # noq
 PROMPTS = Path(__file__).with_name("prompts.jsonl")
 STRUCTURED = Path(__file__).with_name("structured_prompts.jsonl")
 EDITS = Path(__file__).with_name("edit_prompts.jsonl")
-SETS = {"structured": STRUCTURED, "edit": EDITS}  # --prompts NAME for a shipped set
-SET_METHODS = {"edit": ["auto-pred"]}  # what a shipped set is for, added to the default methods
-OURS = ("none", "model", "ngram", "hybrid", "auto", "auto-pred")
+HISTORY = Path(__file__).with_name("history_prompts.jsonl")
+SETS = {"structured": STRUCTURED, "edit": EDITS, "history": HISTORY}  # --prompts NAME for a shipped set
+SET_METHODS = {"edit": ["auto-pred"], "history": ["auto-hist"]}  # what a set is for, added to the default methods
+# auto-hist: auto drafting also from the outputs of the prompts before this one in the file (their plain runs),
+# as an app's earlier requests (Engine history_mb); every other method runs without a history
+OURS = ("none", "model", "ngram", "hybrid", "auto", "auto-pred", "auto-hist")
+HISTORY_MB = 64
 # llama-cpp-python: plain decoding ("peer"), and LlamaPromptLookupDecoding(num_pred_tokens=N)
 PEERS = {"peer": 0, "peer-2": 2, "peer-10": 10}
 METHODS = OURS + tuple(PEERS)
@@ -142,7 +150,7 @@ def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: flo
     for m in models:
         m.truncate(0)
     stream = llm.stream(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                        drafter="auto" if method == "auto-pred" else method, json_schema=schema,
+                        drafter="auto" if method in ("auto-pred", "auto-hist") else method, json_schema=schema,
                         prediction=prediction if method == "auto-pred" else None, trace=trace)
     n, text, t_first = 0, [], None
     try:
@@ -245,10 +253,13 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
         peer = load_peer(llm, max(len(t) for t in prompt_tokens) + max_tokens + max(PEERS.values()) + 1)
     if "auto" in methods:
         llm.calibration()  # calibrate (once per machine and models) before anything is timed
-    rows = []
+    rows, earlier = [], []  # earlier: (prompt tokens, plain output) of the prompts before, for auto-hist
+    own_history = llm.history
     for p, tokens in zip(prompts, prompt_tokens):
         if p["id"] in kept:
             rows.append(kept[p["id"]])
+            earlier.append((tokens, llm.tokenize(kept[p["id"]].runs["none"].text, add_special=False,
+                                                 parse_special=False)))
             continue
         _ours(llm, tokens, "none", 8)  # warm-up
         row = Row(p["id"], p.get("kind", ""))
@@ -261,8 +272,12 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
                     r = _peer(peer, tokens, max_tokens, temperature, seed, schema)
                 else:
                     rounds = []
-                    r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema, p.get("prediction"),
-                              rounds.append)
+                    llm.history = _history(earlier) if m == "auto-hist" else None  # its own run is not kept
+                    try:
+                        r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema, p.get("prediction"),
+                                  rounds.append)
+                    finally:
+                        llm.history = own_history
                     r.within = within_run(rounds)
                     if trace_dir is not None:
                         trace_path(trace_dir, p["id"], m, i).write_text(
@@ -278,6 +293,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
             inside = [r.within for r in rs if r.within is not None]
             row.runs[m].within = statistics.median(inside) if inside else None
         plain = row.runs["none"]
+        earlier.append((tokens, llm.tokenize(plain.text, add_special=False, parse_special=False)))
         for m, r in row.runs.items():
             r.ratio = r.tps / plain.tps if plain.tps else 0.0
             # a sample is comparable only when it is no sample (T = 0) or when our seed drew it
@@ -288,6 +304,16 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     if peer is not None:
         peer.close()
     return rows
+
+
+def _history(earlier: list[tuple[list[int], list[int]]]):
+    """A history holding the plain outputs of the prompts run before (what an app's earlier requests left)."""
+    from ..core.history import History
+
+    h = History(HISTORY_MB)
+    for prompt, output in earlier:
+        h.record("", prompt, output)
+    return h
 
 
 def trace_path(trace_dir: str | Path, prompt_id: str, method: str, i: int) -> Path:

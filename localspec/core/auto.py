@@ -183,8 +183,9 @@ class AutoDrafter:
 
     def __init__(self, costs, ngram: NgramDrafter, model: ModelDrafter | None, *, k_max: int = 33,
                  sample_rows: bool = False, grammar=None, prediction: Prediction | None = None,
-                 kinds: np.ndarray | None = None):
+                 kinds: np.ndarray | None = None, history=None):
         self.costs, self.ngram, self.model, self.grammar, self.prediction = costs, ngram, model, grammar, prediction
+        self.history = history  # earlier requests' outputs (history.SuffixCache), or None
         self.kinds = kinds  # token id -> kind (token_kinds): when given, n-gram guesses are also judged by it
         # Seconds to turn each verified row into a sampling distribution: nothing at temperature 0.
         self.row_cost = costs.sample_row if sample_rows else 0.0
@@ -230,6 +231,11 @@ class AutoDrafter:
         self.guess_stats: dict[int, AcceptanceStats] = {}  # by token: how often the model wrote each guess
         # a prediction is the client's own guess at the output: aligned with it, the output tends to follow it
         self.prediction_stats = {run: AcceptanceStats(k_max, prior) for run, prior in ((0, 0.5), (1, 0.7), (2, 0.9))}
+        # history: by the size of the match (3, 4-5, 6+ tokens) and how many earlier places agree (1, 2-3, 4+);
+        # a long match that many earlier outputs share (a JSON record's keys, a tool call's skeleton) holds
+        # most often. Learned per request like the rest, from these priors.
+        self.history_stats = {(size, support): AcceptanceStats(k_max, min(0.15 + 0.1 * (size // 2) + 0.1 * support, 0.7))
+                              for size in (3, 4, 6) for support in (0, 1, 2)}
         self.probe_every = 64
         self.since_model = self.probe_every  # the first round the model could draft in probes it
         # seconds this request's drafts have saved against plain decoding (< 0: lost), priced with the measured
@@ -239,7 +245,8 @@ class AutoDrafter:
         # guesses not settled yet: (position, tokens, whose stats, how many leading ones are counted already,
         # the KindOdds that also learn from them)
         self.pending: list[tuple[int, list[int], AcceptanceStats, int, KindOdds | None]] = []
-        self._ngram_set = set(self.ngram_stats.values()) | set(self.prediction_stats.values())
+        self._ngram_set = (set(self.ngram_stats.values()) | set(self.prediction_stats.values())
+                           | set(self.history_stats.values()))
 
     def _cost(self, depth: int):
         return lambda n: self.costs.verify_cost(n, depth)
@@ -317,7 +324,7 @@ class AutoDrafter:
                 best = ("forced", f, speed, tokens)
         lead = forced + guess
         ctx = [*context, *lead] if f else context
-        cont, pcont = [], []
+        cont, pcont, hcont = [], [], []
         if n > f:
             match = self.ngram.lookup(ctx, n - f)
             cont = match.tokens
@@ -343,7 +350,20 @@ class AutoDrafter:
                                          start=f)
                 if speed > best[2]:
                     best = ("prediction", k, speed, tokens)
-            if not cont and not pcont:
+            if self.history is not None:
+                found = self.history.lookup(ctx, n - f)
+                hcont = found.tokens
+                if hcont and self.grammar is not None:
+                    hcont = hcont[:max(len(constrained(self.grammar, forced, Draft(hcont), guess).tokens) - f, 0)]
+            if hcont:
+                stats = self.history_stats[min(_bucket(found.size), 6) if found.size >= 4 else 3,
+                                           0 if found.support == 1 else 1 if found.support < 4 else 2]
+                self.pending.append((len(ctx), hcont, stats, 0, None))
+                k, speed, tokens = _best(np.concatenate([rates, stats.rates(len(hcont))]), cost, 0.0, self.row_cost,
+                                         start=f)
+                if speed > best[2]:
+                    best = ("history", k, speed, tokens)
+            if not cont and not pcont and not hcont:
                 self.run = 0
         if n > f and self.model_may_win(depth, n) and self.model.fits(ctx):
             # catching the draft's cache up over what it has not seen is paid before it can draft
@@ -369,6 +389,8 @@ class AutoDrafter:
             rest = Draft(cont[:k - f])
         elif name == "prediction":
             rest = Draft(pcont[:k - f], predicted=k - f)
+        elif name == "history":
+            rest = Draft(hcont[:k - f])
         elif name == "model":
             self.since_model = 0
             if self.grammar is not None:

@@ -12,7 +12,8 @@ from .auto import AutoDrafter, vocab_kinds
 from .costs import Costs, measure
 from .drafters import Drafter, GrammarDrafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, Prediction
 from .grammar import Grammar, Unconstrained
-from .loop import speculate
+from .history import History
+from .loop import Token, speculate
 from .model import Cancelled, Model, ModelError
 from .request import Request, RequestError, make_request
 from .stream import Result, Stream
@@ -29,10 +30,12 @@ class Engine:
     """
 
     def __init__(self, target: Model, draft: Model | None = None, *, name: str | None = None,
-                 defaults: dict | None = None, costs: Callable[..., Costs] | None = None):
+                 defaults: dict | None = None, costs: Callable[..., Costs] | None = None, history_mb: float = 0):
         """costs(target, draft, force=, stop=) gives this machine's speculation costs: localspec.load passes one
-        that keeps them under $LOCALSPEC_HOME (store.calibration); without it they are measured on first use."""
+        that keeps them under $LOCALSPEC_HOME (store.calibration); without it they are measured on first use.
+        history_mb > 0 keeps what requests generate (up to that many MB per scope) for auto to draft from."""
         self.target, self.draft = target, draft
+        self.history = History(history_mb) if history_mb > 0 else None
         self.name = name or target.path.stem
         self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
         self._measure = costs or (lambda target, draft, force=False, stop=None: measure(target, draft, stop=stop))
@@ -138,16 +141,16 @@ class Engine:
         return Prediction(pred, len(tokens)) if pred else None
 
     def _drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str],
-                 grammar) -> tuple[str, Drafter, bool]:
+                 grammar, scope: str) -> tuple[str, Drafter, bool]:
         """(name, drafter, whether to prefill the draft model with the prompt)."""
         name, drafter, prefill_draft = self._free_drafter(req, seed, tokens, notes, grammar,
-                                                          self._prediction(req, tokens, notes))
+                                                          self._prediction(req, tokens, notes), scope)
         if grammar is not None and name not in ("none", "auto"):  # auto drafts the forced tokens itself
             drafter = GrammarDrafter(grammar, drafter)
         return name, drafter, prefill_draft
 
     def _free_drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str], grammar,
-                      prediction: Prediction | None) -> tuple[str, Drafter, bool]:
+                      prediction: Prediction | None, scope: str) -> tuple[str, Drafter, bool]:
         name = req.drafter or defaults.DRAFTER
         if name in ("model", "hybrid") and self.draft is None:
             raise RequestError(f"drafter {name!r} needs a draft model: load one (draft=PATH, --draft) "
@@ -170,7 +173,8 @@ class Engine:
         if name == "auto":
             auto = AutoDrafter(self.calibration(), NgramDrafter(n_min=1, n_max=8), model if fits else None,
                                sample_rows=not req.sampling.greedy, grammar=grammar, prediction=prediction,
-                               kinds=self.token_kinds())
+                               kinds=self.token_kinds(),
+                               history=self.history.cache(scope) if self.history is not None and req.history else None)
             # Where the draft model cannot pay on this machine even if always right (most CPUs), its cache is
             # left alone; where it can, it is prefilled with the prompt, so drafting never waits for that.
             return name, auto, fits and auto.model_may_win(len(tokens))
@@ -180,7 +184,7 @@ class Engine:
 
     # -- generation --
     def stream(self, prompt: str | Sequence[int], *, cancel: Callable[[], bool] | None = None,
-               trace: Callable[[dict], None] | None = None, **options) -> Stream:
+               trace: Callable[[dict], None] | None = None, scope: str = "", **options) -> Stream:
         """Generate, yielding one Event per token; `.stats` is set once the stream ends.
 
         prompt: text (special tokens such as <|im_start|> are recognised) or token ids.
@@ -189,11 +193,14 @@ class Engine:
         ('rejection', 'greedy', 'threshold'), k, p_min, threshold, stop; at most one constraint on the
         output: json_schema (a dict or JSON text), grammar (Lark or llama.cpp GBNF), regex, json_object=True;
         prediction (text or token ids the output is expected to resemble: drafted from, never trusted);
-        logprobs=N (0..20: each Event's logprob and top_logprobs).
+        logprobs=N (0..20: each Event's logprob and top_logprobs); history=False (where the engine keeps a
+        history, history_mb: neither draft from it nor add this output to it).
         cancel: a callable checked between prefill chunks and rounds; when it returns True the stream ends
         with finish_reason 'cancelled'.
         trace: a callable given one dict per round (trace_row): what was drafted and accepted, how long it took,
         and with drafter='auto' what it chose and expected of the round.
+        scope: whose history this request drafts from and adds to (the server passes one per API key): one
+        scope's outputs never draft another's.
         """
         for name, f in (("cancel", cancel), ("trace", trace)):
             if f is not None and not callable(f):
@@ -209,7 +216,7 @@ class Engine:
         notes: list[str] = []
         spec = req.constraint()
         grammar = Grammar(self.target, spec) if spec is not None else None
-        name, drafter, prefill_draft = self._drafter(req, seed, tokens, notes, grammar)
+        name, drafter, prefill_draft = self._drafter(req, seed, tokens, notes, grammar, scope)
         k = req.k or (defaults.K_FIXED if name != "auto" else
                       defaults.K_PREDICTION if req.prediction is not None else defaults.K_AUTO)
         if k > self.target.n_batch - 1:  # [pending, d1..dk] must fit one decode
@@ -221,6 +228,8 @@ class Engine:
                           params=req.sampling, seed=seed, tau=req.threshold, prefill_draft=prefill_draft,
                           lock=self._lock, cancel=cancel, grammar=grammar or Unconstrained(),
                           top_logprobs=req.logprobs)
+        if self.history is not None and req.history:
+            facts = _recorded(facts, self.history, scope, tokens)
         return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
                       prompt_tokens=len(tokens), seed=seed, notes=notes, trace=trace, halt=halt, stopped=stopped)
 
@@ -247,3 +256,17 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _recorded(facts, history: History, scope: str, prompt: list[int]):
+    """The loop's facts, passed on; the tokens emitted are added to the history once the stream ends (also when
+    its consumer stops early: what was emitted is text the model wrote)."""
+    out = []
+    try:
+        for f in facts:
+            if type(f) is Token:
+                out.append(f.token)
+            yield f
+    finally:
+        facts.close()
+        history.record(scope, prompt, out)

@@ -36,6 +36,7 @@ class Request:
     json_object: bool = False
     logprobs: int | None = None  # 0..20: each token's log-probability and this many top alternatives
     prediction: str | tuple[int, ...] | None = None  # text (or token ids) the output is expected to resemble
+    history: bool = True  # where the engine keeps a history of outputs: draft from it and add this one to it
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "seed", "k", "logprobs"):
@@ -66,8 +67,9 @@ class Request:
             object.__setattr__(self, name, float(v))
         if not all(isinstance(x, str) for x in self.stop):
             raise RequestError("stop must be a string or a list of strings")
-        if not isinstance(self.json_object, bool):
-            raise RequestError(f"json_object must be true or false, got {self.json_object!r}")
+        for name in ("json_object", "history"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.constraint()  # an invalid schema, grammar or regex is an error now, naming it
 
     def constraint(self) -> str | None:

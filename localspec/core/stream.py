@@ -52,6 +52,8 @@ class Stats:
     accepted_forced: int
     drafted_prediction: int  # draft tokens taken from the request's prediction, and how many were accepted
     accepted_prediction: int
+    drafted_history: int  # draft tokens from earlier requests' outputs (history_mb), and how many were accepted
+    accepted_history: int
     seed: int  # the request's seed (drawn at random when none was given): pass it again to reproduce a run
     notes: tuple[str, ...] = ()  # what the request asked for but did not get, and why
 
@@ -89,6 +91,8 @@ class Stats:
                   f"{self.mean_accepted:.2f} per round")
         if self.drafted_prediction:
             s += f" (prediction {self.accepted_prediction}/{self.drafted_prediction})"
+        if self.drafted_history:
+            s += f" (history {self.accepted_history}/{self.drafted_history})"
         s += f"; {self.rule} ({'lossless' if self.lossless else 'LOSSY'})"
         return s + "".join(f"\nnote: {n}" for n in self.notes)
 
@@ -159,7 +163,7 @@ class Stream:
 
     def _run(self) -> Iterator[Event]:
         pre, rounds, drafting, drafted, acc, at, t_d, t_v, n = None, 0, 0, 0, 0, [], 0.0, 0.0, 0
-        forced, predicted = [0, 0], [0, 0]
+        forced, predicted, history = [0, 0], [0, 0], [0, 0]
         reason, held = "cancelled", None  # until the loop says why it ended: a consumer that closes early cancels
         last, got = None, 0  # the latest drafting round, and how many of its draft tokens this stream emitted
 
@@ -172,6 +176,8 @@ class Stream:
                 at[i] += 1
             forced[1] += min(got, last.forced)
             predicted[1] += min(max(got - last.forced, 0), last.predicted)
+            if last.plan is not None and last.plan.source == "history":
+                history[1] += max(got - last.forced, 0)
 
         t_gen = time.perf_counter()
         try:
@@ -213,6 +219,8 @@ class Stream:
                         drafted += f.drafted
                         forced[0] += f.forced
                         predicted[0] += f.predicted
+                        if f.plan is not None and f.plan.source == "history":
+                            history[0] += f.drafted - f.forced
                         at.extend([0] * (f.drafted - len(at)))
                 elif type(f) is Prefill:
                     pre = f
@@ -239,6 +247,7 @@ class Stream:
                                accepted=acc, accepted_at=tuple(at), draft_s=t_d, verify_s=t_v,
                                drafted_forced=forced[0], accepted_forced=forced[1],
                                drafted_prediction=predicted[0], accepted_prediction=predicted[1],
+                               drafted_history=history[0], accepted_history=history[1],
                                drafting_rounds=drafting, **self._meta)
 
 

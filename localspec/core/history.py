@@ -1,0 +1,179 @@
+"""What earlier requests generated, as a draft source for the next ones (a suffix index over past outputs).
+
+Apps repeat themselves: the same JSON shape over many documents, the same tool-call skeleton every agent step,
+the same code regenerated after a small edit. Each finished request adds its output (with the last few prompt
+tokens before it, so the output's opening is found too) to a bounded store; a round looks up the context's
+tail there and proposes what followed it, as SuffixDecoding (Oliaro et al. 2024) does with a suffix tree.
+
+Here the index maps each ANCHOR-token window of the stored tokens to where it ends; a lookup takes the latest
+CANDIDATES places that end like the context, measures how far back each agrees with it (the match), keeps
+the longest matches, and walks forward while most of them agree on the next token (the counts a suffix tree
+keeps at each node). Drafts are point masses, verified like any other, so history never changes an output's
+distribution; it changes only how fast it comes (and so, across API keys, it could leak timing: a server
+keeps one History per key).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+ANCHOR = 3  # tokens a place must share with the context's end to be a candidate
+CANDIDATES = 64  # latest places per anchor a lookup looks at: bounds its cost whatever the store holds
+MAX_MATCH = 32  # how far back a match is measured
+PROMPT_TAIL = 16  # prompt tokens kept before each output: where its opening is found
+BYTES_PER_TOKEN = 130  # the index's Python objects per stored token, at most (dict slot, int): measured in tests
+SHARE = 0.5  # a continuation goes on while at least this share of the places still agreeing agree on the next
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A lookup's answer: the size of the longest match, how many places matched that far, the tokens that
+    followed there (while most of those places agree), and for each token the share of the places that
+    agreed up to it which also agree on it."""
+
+    size: int
+    support: int
+    tokens: list[int]
+    shares: list[float]
+
+
+NOTHING = Found(0, 0, [], [])
+
+
+def _key(a: int, b: int, c: int) -> int:
+    return (a << 42) | (b << 21) | c  # token ids below 2**21 (vocabularies are ~150k)
+
+
+class SuffixCache:
+    """Past outputs of one scope (a model, an API key), bounded to `max_bytes` (the oldest go first)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.tokens = np.empty(1024, dtype=np.int32)  # stored sequences, each followed by -1
+        self.size = 0
+        self.starts: list[int] = []  # where each stored sequence begins
+        self.index: dict[int, int | list[int]] = {}  # anchor key -> position(s) of the anchor's last token
+        self.lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """What the store holds, estimated: its token array and its index."""
+        return self.tokens.nbytes + BYTES_PER_TOKEN * self.size
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Keep one finished sequence (prompt tail + output)."""
+        seq = np.asarray(tokens, dtype=np.int32)
+        if len(seq) <= ANCHOR or int(seq.min()) < 0 or int(seq.max()) >= 1 << 21:
+            return
+        if (len(seq) + 1) * (4 + BYTES_PER_TOKEN) > self.max_bytes:
+            seq = seq[-(self.max_bytes // (2 * (4 + BYTES_PER_TOKEN))):]  # one huge output keeps its end
+        with self.lock:
+            if self.size + len(seq) + 1 > len(self.tokens):
+                grown = np.empty(max(2 * len(self.tokens), self.size + len(seq) + 1), dtype=np.int32)
+                grown[:self.size] = self.tokens[:self.size]
+                self.tokens = grown
+            at = self.size
+            self.tokens[at:at + len(seq)] = seq
+            self.tokens[at + len(seq)] = -1
+            self.starts.append(at)
+            self.size = at + len(seq) + 1
+            self._index(at, at + len(seq))
+            if self.nbytes > self.max_bytes:
+                self._evict()
+
+    def _index(self, start: int, end: int) -> None:
+        t = self.tokens[start:end].astype(np.int64)
+        keys = (t[:-2] << 42) | (t[1:-1] << 21) | t[2:]
+        index = self.index
+        for pos, key in zip(range(start + ANCHOR - 1, end), keys.tolist()):
+            bucket = index.get(key)
+            if bucket is None:
+                index[key] = pos  # most windows occur once: a list only from the second on
+            elif type(bucket) is int:
+                index[key] = [bucket, pos]
+            else:
+                bucket.append(pos)
+
+    def _evict(self) -> None:
+        """Drop the oldest sequences until the store is at most 3/4 full, then index what is left anew."""
+        budget = self.max_bytes * 3 // 4
+        keep_from = len(self.starts) - 1
+        while keep_from > 0 and (self.size - self.starts[keep_from - 1]) * (4 + BYTES_PER_TOKEN) <= budget:
+            keep_from -= 1
+        cut = self.starts[keep_from]
+        rest = self.tokens[cut:self.size].copy()
+        self.tokens = np.empty(max(1024, 2 * len(rest)), dtype=np.int32)
+        self.tokens[:len(rest)] = rest
+        self.size = len(rest)
+        self.starts = [s - cut for s in self.starts[keep_from:]]
+        self.index = {}
+        for i, s in enumerate(self.starts):
+            end = self.starts[i + 1] - 1 if i + 1 < len(self.starts) else self.size - 1
+            self._index(s, end)
+
+    def lookup(self, context: Sequence[int], n: int) -> Found:
+        """What followed the longest earlier match of the context's end, up to n tokens, or NOTHING."""
+        if n <= 0 or len(context) < ANCHOR:
+            return NOTHING
+        a, b, c = (int(x) for x in context[-ANCHOR:])
+        if max(a, b, c) >= 1 << 21:
+            return NOTHING
+        with self.lock:
+            ends = self.index.get(_key(a, b, c))
+            if ends is None:
+                return NOTHING
+            ends = np.asarray([ends] if type(ends) is int else ends[-CANDIDATES:], dtype=np.int64)
+            buf = self.tokens[:self.size]
+            tail = np.asarray(context[-MAX_MATCH:], dtype=np.int32)[::-1]  # the context backwards from its end
+            # how far back each place agrees with the context (a -1 separator never equals a token)
+            back = ends[:, None] - np.arange(len(tail))[None, :]
+            seen = np.where(back >= 0, buf[np.maximum(back, 0)], -1)
+            agree = np.cumprod(seen == tail[None, :], axis=1).sum(axis=1)
+            size = int(agree.max())
+            places = ends[agree == size]
+            support = len(places)
+            tokens, shares = [], []
+            for step in range(1, n + 1):
+                nxt = buf[np.minimum(places + step, self.size - 1)]
+                nxt = nxt[places + step < self.size]
+                nxt = nxt[nxt >= 0]
+                if not nxt.size:
+                    break
+                values, counts = np.unique(nxt, return_counts=True)
+                best = counts.max()
+                # the most frequent next token; among equals, the latest place's
+                top = values[counts == best]
+                tok = int(top[0]) if len(top) == 1 else int(next(t for t in nxt[::-1] if t in top))
+                share = best / len(places)
+                if share < SHARE:
+                    break
+                tokens.append(tok)
+                shares.append(float(share))
+                places = places[buf[np.minimum(places + step, self.size - 1)] == tok]
+        return Found(size, support, tokens, shares)
+
+
+class History:
+    """One SuffixCache per scope (an API key; '' for the process's own requests), each bounded to `mb` MB;
+    at most `scopes` scopes, the least recently used forgotten first."""
+
+    def __init__(self, mb: float, scopes: int = 16):
+        self.max_bytes, self.scopes = int(mb * 2 ** 20), scopes
+        self._caches: dict[str, SuffixCache] = {}
+        self._lock = threading.Lock()
+
+    def cache(self, scope: str = "") -> SuffixCache:
+        with self._lock:
+            c = self._caches.pop(scope, None) or SuffixCache(self.max_bytes)
+            self._caches[scope] = c  # most recently used last
+            while len(self._caches) > self.scopes:
+                self._caches.pop(next(iter(self._caches)))
+            return c
+
+    def record(self, scope: str, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Keep a finished request's output (after its prompt's last PROMPT_TAIL tokens)."""
+        if output:
+            self.cache(scope).add([*prompt[-PROMPT_TAIL:], *output])

@@ -1,0 +1,133 @@
+"""Tier 1: the cross-request suffix store (core.history) on token lists written by hand."""
+import time
+
+import numpy as np
+
+from localspec.core.history import BYTES_PER_TOKEN, NOTHING, PROMPT_TAIL, History, SuffixCache
+
+
+def test_a_lookup_proposes_what_followed_the_longest_match():
+    c = SuffixCache(1 << 20)
+    c.add([1, 2, 3, 4, 5, 6, 7])
+    c.add([9, 9, 3, 4, 5, 8, 8])
+    found = c.lookup([0, 2, 3, 4, 5], 4)  # [2, 3, 4, 5] matches only the first: 4 deep
+    assert (found.size, found.support, found.tokens) == (4, 1, [6, 7])  # and stops at its end
+    found = c.lookup([7, 7, 3, 4, 5], 4)  # 3 deep in both: they part at once, the latest wins a tie
+    assert (found.size, found.support, found.tokens, found.shares) == (3, 2, [8, 8], [0.5, 1.0])
+    assert c.lookup([1, 2, 3, 4, 99], 4) == NOTHING and c.lookup([3, 4], 4) == NOTHING
+    assert c.lookup([1, 2, 3], 0) == NOTHING
+
+
+def test_the_majority_continuation_is_drafted_while_most_places_agree():
+    c = SuffixCache(1 << 20)
+    for tail in ([10, 11, 12], [10, 11, 12], [10, 11, 13], [20, 21, 22]):
+        c.add([5, 6, 7, *tail])
+    found = c.lookup([5, 6, 7], 8)
+    assert found.support == 4 and found.tokens == [10, 11, 12]  # 3 of 4, then 3 of 3, then 2 of 3
+    assert found.shares == [0.75, 1.0, 2 / 3]
+
+
+def test_the_store_stays_under_its_cap_keeping_the_newest():
+    cap = 200 * (4 + BYTES_PER_TOKEN)
+    c = SuffixCache(cap)
+    rng = np.random.default_rng(0)
+    for i in range(50):
+        c.add([1000 + i, *rng.integers(0, 500, 20).tolist(), 2000 + i])
+        assert c.nbytes <= cap + c.tokens.nbytes
+        assert c.size * (4 + BYTES_PER_TOKEN) <= cap
+    assert c.lookup(c.tokens[c.starts[-1]:c.starts[-1] + 3].tolist(), 30).tokens[-1] == 2049  # the newest is kept
+    first = c.tokens[:c.starts[1] - 1].tolist()
+    assert first[0] > 1000  # the oldest went
+    # the index was rebuilt over what is left: every stored window is found again
+    assert c.lookup(first[:3], 30).tokens == first[3:]
+
+
+def test_a_lookup_costs_under_a_millisecond_in_a_full_64_mb_store():
+    c = SuffixCache(64 << 20)
+    rng = np.random.default_rng(1)
+    shape = [30, 31, 32, 33, 34, 35]  # a JSON skeleton every output repeats
+    while c.nbytes < (60 << 20):
+        c.add([*shape, *rng.integers(0, 3000, 200).tolist(), *shape])
+    t = time.perf_counter()
+    for _ in range(200):
+        found = c.lookup([7, 8, *shape[:3]], 16)
+    per = (time.perf_counter() - t) / 200
+    assert found.tokens[:3] == shape[3:] and found.support == 64  # the latest CANDIDATES places
+    assert per < 1e-3, per
+
+
+def test_scopes_never_see_each_other():
+    h = History(1, scopes=2)
+    h.record("key-a", [1, 2, 3], [4, 5, 6, 7])
+    assert h.cache("key-a").lookup([2, 3, 4], 4).tokens == [5, 6, 7]
+    assert h.cache("key-b").lookup([2, 3, 4], 4) == NOTHING
+    h.cache("key-c")  # a third scope: the least recently used one (key-a) is forgotten
+    assert "key-a" not in h._caches and set(h._caches) == {"key-b", "key-c"}
+    h.record("", list(range(100, 100 + 2 * PROMPT_TAIL)), [7, 8])
+    assert h.cache("").starts == [0] and h.cache("").size == PROMPT_TAIL + 2 + 1  # the prompt's tail only
+
+
+def test_the_estimate_of_its_size_is_not_below_what_it_allocates():
+    import tracemalloc
+
+    rng = np.random.default_rng(2)
+    for vocab in (50, 150_000):  # windows that repeat a lot, and windows that are all new
+        tracemalloc.start()
+        c = SuffixCache(1 << 40)
+        for _ in range(100):
+            c.add(rng.integers(0, vocab, 200).tolist())
+        allocated = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        assert allocated <= c.nbytes, (vocab, allocated / c.size)
+
+
+# ---- tier 2: SmolLM2 through the engine ----
+FIB = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+OTHER = [{"role": "user", "content": "Write a Python function that returns the n-th prime number."}]
+
+
+def test_an_answer_asked_again_is_drafted_from_history_and_stays_plains(smol_engine, monkeypatch):
+    """Exact mode: what history drafts is verified like any draft, so the text equals plain decoding; a
+    request that opts out neither drafts from it nor adds to it; another scope sees nothing."""
+    monkeypatch.setattr(smol_engine, "history", History(4))
+    prompt = smol_engine.chat_tokens(FIB)
+    plain = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter="none")  # kept: history is on
+    assert plain.stats.drafted_history == 0
+    again = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter="auto")
+    assert again.tokens == plain.tokens
+    s = again.stats
+    assert s.drafted_history > 32 and s.accepted_history == s.drafted_history  # the same answer, drafted whole
+    assert "history" in s.line()
+    off = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter="auto", history=False)
+    assert off.tokens == plain.tokens and off.stats.drafted_history == 0
+    other = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter="auto", scope="someone-else")
+    assert other.tokens == plain.tokens and other.stats.drafted_history == 0
+    # a different question whose answer shares a shape: drafted where it repeats, and still plain's text
+    plain2 = smol_engine.generate(smol_engine.chat_tokens(OTHER), max_tokens=64, temperature=0, drafter="none",
+                                  history=False)
+    spec2 = smol_engine.generate(smol_engine.chat_tokens(OTHER), max_tokens=64, temperature=0, drafter="auto")
+    assert spec2.tokens == plain2.tokens
+
+
+def test_history_is_sampled_exactly_under_rejection_sampling(smol_engine, monkeypatch):
+    """History drafts are point masses: at T > 0 a seeded request gives plain's tokens whatever was drafted."""
+    monkeypatch.setattr(smol_engine, "history", History(4))
+    prompt = smol_engine.chat_tokens(FIB)
+    opts = dict(max_tokens=48, temperature=0.7, seed=11)
+    plain = smol_engine.generate(prompt, drafter="none", **opts)
+    spec = smol_engine.generate(prompt, drafter="auto", **opts)
+    assert spec.tokens == plain.tokens and spec.stats.drafted_history > 0
+
+
+def test_the_option_is_checked_and_the_server_takes_it(smol_engine):
+    import pytest
+
+    from localspec.api.request import ApiError, parse_options
+    from localspec.core.request import RequestError
+
+    with pytest.raises(RequestError, match="history must be true or false"):
+        smol_engine.generate("hi", max_tokens=2, history="no")
+    options, names = parse_options({"localspec": {"history": False}}, chat=False, defaults={})
+    assert options["history"] is False and names["history"] == "localspec.history"
+    with pytest.raises(ApiError, match="localspec.history must be true or false"):
+        parse_options({"localspec": {"history": 0}}, chat=False, defaults={})
