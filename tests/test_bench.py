@@ -341,3 +341,14 @@ def test_a_schema_past_llguidance_limits_fails_its_runs_and_the_bench_goes_on(sm
     assert all(rows[0].runs[m].failed.startswith("GrammarError: the constraint failed") for m in ("none", "ngram"))
     assert rows[1].runs["ngram"].failed is None and rows[1].runs["ngram"].tokens > 0
     assert "failed: GrammarError" in bench.table(rows, temperature=0.0, seed=None)
+
+
+def test_auto_hist_drafts_from_the_prompts_before_it_and_only_those(smol_engine):
+    """auto-hist is auto with the plain outputs of the earlier prompts as its history: nothing for the first
+    prompt, the first's answer for the same question asked again; the engine's own history is left as it was."""
+    ask = prompt("a", "Write a Python function that returns the n-th Fibonacci number.")
+    rows = bench.run(smol_engine, [ask, ask | {"id": "b"}], methods=("none", "auto-hist"), max_tokens=48)
+    first, again = (r.runs["auto-hist"] for r in rows)
+    assert again.same_as_plain and first.same_as_plain
+    assert again.acceptance and again.mean_accepted > (first.mean_accepted or 0.0)
+    assert smol_engine.history is None
