@@ -49,7 +49,7 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
          flash_attn_draft: str | None = None, type_k_draft: str | None = None, type_v_draft: str | None = None,
          exact: bool = False, target_kwargs: Mapping[str, object] | None = None,
          draft_kwargs: Mapping[str, object] | None = None, memory_check: bool = True, allow_mirror: bool = True,
-         history_mb: float = 0, verbose: bool = False) -> Engine:
+         history_mb: float = 0, history_file: bool = True, verbose: bool = False) -> Engine:
     """Load a target model and, optionally, a draft model that shares its tokenizer.
 
     Models by path (target=, draft=) or by name: pair="NAME" from models.toml, or nothing at all for the
@@ -76,7 +76,9 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     drafter 'auto' draft from it: apps that repeat themselves (one JSON shape over many documents, an agent's
     tool calls, code regenerated after an edit) get those tokens drafted. Off (0) by default: outside exact
     mode, a draft from history can flip a near-tie at temperature 0, so an output could depend on earlier
-    requests. A request opts out with history=False.
+    requests. A request opts out with history=False. It is kept in $LOCALSPEC_HOME/history (read when first
+    used, written as it grows and when the engine closes; safe with several processes) unless history_file is
+    False.
     verbose: show llama.cpp's own log output and the memory estimate.
     """
     from .api.completions import Engine
@@ -158,5 +160,10 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
         if d is not None:
             d.close()
         raise
+    keeper = None
+    if history_mb > 0 and history_file:
+        from .store.history import HistoryFiles, folder
+
+        keeper = HistoryFiles(folder(registry.home(), t.path), int(history_mb * 2 ** 20))
     return Engine(t, d, name=name, defaults=defaults, costs=costs_keeper(registry.home() / "calibration"),
-                  history_mb=history_mb)
+                  history_mb=history_mb, history_keeper=keeper)

@@ -131,3 +131,50 @@ def test_the_option_is_checked_and_the_server_takes_it(smol_engine):
     assert options["history"] is False and names["history"] == "localspec.history"
     with pytest.raises(ApiError, match="localspec.history must be true or false"):
         parse_options({"localspec": {"history": 0}}, chat=False, defaults={})
+
+
+# ---- kept across runs (store.history) ----
+def test_kept_outputs_merge_across_processes_and_the_newest_fit(tmp_path):
+    import subprocess
+    import sys
+
+    from localspec.store.history import HistoryFiles
+
+    where = tmp_path / "h"
+    code = ("import sys; from pathlib import Path; from localspec.store.history import HistoryFiles\n"
+            "f = HistoryFiles(Path(sys.argv[1]), 1 << 20)\n"
+            "for i in range(40): f.save('', [[int(sys.argv[2]), i, 7, 8, 9]])\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(where), str(w)]) for w in (1, 2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    kept = HistoryFiles(where, 1 << 20).load("")
+    assert sorted((int(s[0]), int(s[1])) for s in kept) == [(w, i) for w in (1, 2) for i in range(40)]  # none lost
+    small = HistoryFiles(where, 10 * 6 * (4 + BYTES_PER_TOKEN))  # room for 10 of them
+    small.save("", [[3, 0, 7, 8, 9]])
+    assert len(small.load("")) == 10 and small.load("")[-1].tolist() == [3, 0, 7, 8, 9]  # the newest
+    assert small.load("other scope") == []
+
+
+def test_an_unreadable_file_is_said_and_started_afresh(tmp_path, capsys):
+    from localspec.store.history import HistoryFiles
+
+    f = HistoryFiles(tmp_path, 1 << 20)
+    f.path("").write_bytes(b"not numpy")
+    assert f.load("") == [] and "ignoring the unreadable history file" in capsys.readouterr().err
+    f.save("", [[1, 2, 3, 4]])
+    assert [s.tolist() for s in f.load("")] == [[1, 2, 3, 4]]
+
+
+def test_a_history_outlives_the_engine_and_can_be_kept_in_memory_only(smol_path, tmp_path, monkeypatch):
+    import localspec
+    from conftest import shared_calibration
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(shared_calibration(tmp_path / "home")))
+    with localspec.load(target=smol_path, n_ctx=512, exact=True, history_mb=1) as llm:
+        prompt = llm.chat_tokens(FIB)
+        plain = llm.generate(prompt, max_tokens=48, temperature=0, drafter="none")
+    assert list((tmp_path / "home" / "history").rglob("*.npy"))  # kept when the engine closed
+    with localspec.load(target=smol_path, n_ctx=512, exact=True, history_mb=1) as llm:
+        again = llm.generate(prompt, max_tokens=48, temperature=0, drafter="auto")
+    assert again.tokens == plain.tokens and again.stats.drafted_history > 24
+    with localspec.load(target=smol_path, n_ctx=512, exact=True, history_mb=1, history_file=False) as llm:
+        assert llm.generate(prompt, max_tokens=48, temperature=0, drafter="auto").stats.drafted_history == 0

@@ -1173,6 +1173,8 @@ def test_requests_http_cannot_parse_get_an_openai_error_object(server, head):
 def test_each_api_key_has_its_own_history_and_a_request_may_opt_out(smol_engine, monkeypatch):
     """With several keys (one per app) and a history, a key's outputs are kept in its own scope, so they never
     draft another key's requests; localspec.history=false keeps a request out of it."""
+    import hashlib
+
     from starlette.testclient import TestClient
 
     from localspec.core.history import History
@@ -1183,8 +1185,9 @@ def test_each_api_key_has_its_own_history_and_a_request_may_opt_out(smol_engine,
         one, two = ({"Authorization": f"Bearer {k}"} for k in ("app-one", "app-two"))
         assert client.post(CHAT, json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
         assert client.post(CHAT, json=body | {"localspec": {"history": False}}, headers=two).status_code == 200
-        assert smol_engine.history.cache("key-1").size == 0  # opted out: nothing kept
+        assert not [c for c in smol_engine.history._caches.values() if c.size]  # opted out: nothing kept
         assert client.post(CHAT, json=body, headers=one).status_code == 200
-        assert smol_engine.history.cache("key-0").size > 0 and smol_engine.history.cache("key-1").size == 0
+        kept = {scope: c.size for scope, c in smol_engine.history._caches.items() if c.size}
+        assert list(kept) == ["key-" + hashlib.sha256(b"app-one").hexdigest()[:16]]
         r = client.post(CHAT, json=body | {"localspec": {"history": "no"}}, headers=one)
         assert r.status_code == 400 and r.json()["error"]["param"] == "localspec.history"

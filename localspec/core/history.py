@@ -158,22 +158,55 @@ class SuffixCache:
 
 class History:
     """One SuffixCache per scope (an API key; '' for the process's own requests), each bounded to `mb` MB;
-    at most `scopes` scopes, the least recently used forgotten first."""
+    at most `scopes` scopes, the least recently used forgotten first.
 
-    def __init__(self, mb: float, scopes: int = 16):
-        self.max_bytes, self.scopes = int(mb * 2 ** 20), scopes
+    keeper: where scopes outlive the process (store.history.HistoryFiles): a scope's kept outputs are read when
+    it is first used, and new ones handed back every SAVE_EVERY outputs, when the scope is forgotten and on save()."""
+
+    SAVE_EVERY = 16
+
+    def __init__(self, mb: float, scopes: int = 16, keeper=None):
+        self.max_bytes, self.scopes, self.keeper = int(mb * 2 ** 20), scopes, keeper
         self._caches: dict[str, SuffixCache] = {}
+        self._unsaved: dict[str, list[list[int]]] = {}
         self._lock = threading.Lock()
 
     def cache(self, scope: str = "") -> SuffixCache:
+        forgotten = []
         with self._lock:
-            c = self._caches.pop(scope, None) or SuffixCache(self.max_bytes)
+            c = self._caches.pop(scope, None)
+            if c is None:
+                c = SuffixCache(self.max_bytes)
+                for seq in self.keeper.load(scope) if self.keeper is not None else ():
+                    c.add(seq)
             self._caches[scope] = c  # most recently used last
             while len(self._caches) > self.scopes:
-                self._caches.pop(next(iter(self._caches)))
-            return c
+                old = next(iter(self._caches))
+                del self._caches[old]
+                forgotten.append((old, self._unsaved.pop(old, [])))
+        for old, seqs in forgotten:
+            if seqs:
+                self.keeper.save(old, seqs)
+        return c
 
     def record(self, scope: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Keep a finished request's output (after its prompt's last PROMPT_TAIL tokens)."""
-        if output:
-            self.cache(scope).add([*prompt[-PROMPT_TAIL:], *output])
+        if not output:
+            return
+        seq = [*prompt[-PROMPT_TAIL:], *output]
+        self.cache(scope).add(seq)
+        if self.keeper is not None:
+            with self._lock:
+                pending = self._unsaved.setdefault(scope, [])
+                pending.append(seq)
+                due = self._unsaved.pop(scope) if len(pending) >= self.SAVE_EVERY else None
+            if due:
+                self.keeper.save(scope, due)
+
+    def save(self) -> None:
+        """Hand every output not yet kept to the keeper (the engine does this when it closes)."""
+        with self._lock:
+            unsaved, self._unsaved = self._unsaved, {}
+        for scope, seqs in unsaved.items():
+            if seqs and self.keeper is not None:
+                self.keeper.save(scope, seqs)
