@@ -12,12 +12,14 @@ model's own greedy proposals at every position (with its top probabilities, for 
     ceiling without the draft model;
   - `auto`, fed the same outputs, making its own decisions as in a live run;
   - the fixed drafters: none, ngram k 4, ngram k 16, model k 4;
+  - with --history, the ceiling and auto where each prompt may also draft from the outputs of the prompts before
+    it in the file (what an engine with history_mb would hold): oracle-hist and auto-hist;
 and, once, the draft model's profile as model k 4: how often it drafts, how much, how much of that holds.
 A draft-model round also pays for catching the draft's cache up over the tokens since it last ran (the
 cost per token measured by the calibration; a quarter of a draft step on curves that lack it).
 
     python scripts/oracle_bound.py record --prompts shipped --out runs.json [--draft-proposals] [--threads 2]
-    python scripts/oracle_bound.py replay runs.json [--costs host|amd1|amd2|intel|zen1|all]
+    python scripts/oracle_bound.py replay runs.json [--costs host|amd1|amd2|intel|zen1|all] [--history]
 """
 from __future__ import annotations
 
@@ -31,15 +33,17 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from localspec.apps.bench import EDITS, PROMPTS, STRUCTURED, load_prompts  # noqa: E402
+from localspec.apps.bench import EDITS, HISTORY, PROMPTS, STRUCTURED, load_prompts  # noqa: E402
 from localspec.core.costs import Costs  # noqa: E402
 from localspec.core.defaults import K_AUTO, K_PREDICTION  # noqa: E402
 from localspec.core.auto import AutoDrafter, vocab_kinds  # noqa: E402
 from localspec.core.drafters import Draft, NgramDrafter, Prediction  # noqa: E402
+from localspec.core.history import PROMPT_TAIL, SuffixCache  # noqa: E402
 
 HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
 SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED,
-        "holdout-structured": Path(__file__).with_name("holdout_structured.jsonl"), "edit": EDITS}
+        "holdout-structured": Path(__file__).with_name("holdout_structured.jsonl"), "edit": EDITS,
+        "history": HISTORY}
 K = K_AUTO  # longest draft considered (auto's default bound; with a prediction, K_PREDICTION)
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
 
@@ -170,9 +174,19 @@ def draft_profile(run, p_min: float = 0.75, k: int = 4) -> dict[str, float]:
             "cold_drafts": rounds[False][1] / max(rounds[False][0], 1)}
 
 
-def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None = None) -> float:
-    """Seconds to produce the run's output under a policy ('oracle', 'oracle-no-model', 'auto', 'auto-warm',
-    'none', 'ngram4', 'ngram16', 'model4').
+def earlier(runs, i: int) -> SuffixCache:
+    """The history an engine would hold before run i: the outputs of the runs before it (after their prompts'
+    last PROMPT_TAIL tokens), as Engine.history records them."""
+    h = SuffixCache(64 << 20)
+    for r in runs[:i]:
+        h.add([*r["prompt"][-PROMPT_TAIL:], *r["out"]])
+    return h
+
+
+def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None = None,
+               history: SuffixCache | None = None) -> float:
+    """Seconds to produce the run's output under a policy ('oracle', 'oracle-no-model', 'oracle-hist', 'auto',
+    'auto-warm', 'auto-hist', 'none', 'ngram4', 'ngram16', 'model4'); the -hist ones draft from `history` too.
 
     auto-warm is auto whose acceptance statistics have already learned this very output (replayed once
     untimed, then timed): what better estimates alone could give within auto's decision rule."""
@@ -198,6 +212,8 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
         return _ceiling(run, costs, grammar(), c)
     if policy == "oracle-no-model":  # the ceiling over what costs nothing to draft: no draft model
         return _ceiling({k: v for k, v in run.items() if k != "draft"}, costs, grammar(), c)
+    if policy == "oracle-hist":
+        return _ceiling(run, costs, grammar(), c, history)
     g = grammar()
     model = (Recorded(props, len(prompt), 0.75, costs.fill_cost(len(prompt)), draft_step)
              if props is not None else None)
@@ -206,6 +222,8 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     drafter = {"auto": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g, kinds=kinds),
                "auto-pred": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g,
                                                 prediction=pred, kinds=kinds),
+               "auto-hist": lambda: AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model, grammar=g, kinds=kinds,
+                                                history=history),
                "none": lambda: None, "ngram4": lambda: NgramDrafter(), "ngram16": lambda: NgramDrafter(),
                "model4": lambda: model}[policy]()
     if learned is not None:  # auto-warm: the same statistics, a fresh start on the output
@@ -220,7 +238,7 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
         from localspec.core.drafters import GrammarDrafter
 
         drafter = GrammarDrafter(g, drafter)  # as the engine wraps a fixed drafter under a grammar
-    k = K_PREDICTION if policy == "auto-pred" else K if policy in ("auto", "ngram16") else 4
+    k = K_PREDICTION if policy == "auto-pred" else K if policy in ("auto", "auto-hist", "ngram16") else 4
     t, spent = 0, 0.0
     while t < n:
         ctx = seq[:len(prompt) + t]
@@ -234,11 +252,11 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     return spent + (model.spent if model is not None else 0.0)
 
 
-def _ceiling(run, costs: Costs, g, c) -> float:
+def _ceiling(run, costs: Costs, g, c, history: SuffixCache | None = None) -> float:
     """The ceiling: the least time to produce the output, choosing at each position with perfect foresight a
     plain step or a draft of any length from any candidate (the tokens a grammar forces, with and without the
     token spelling the rest of their bytes, then an n-gram continuation; the draft model's proposal; the
-    request's prediction).
+    request's prediction; with a history, what it proposes).
 
     A draft-model round pays, as in `auto`'s replay, one draft step per token and the catch-up of the draft's
     cache over the tokens since it last ran, so the dynamic programme's state is the position and how far the
@@ -258,6 +276,8 @@ def _ceiling(run, costs: Costs, g, c) -> float:
             cands[-1].append(cand[:g.validate(cand)] if g is not None else cand)
         if pred is not None:
             cands[-1].append(pred.lookup(seq[:len(prompt) + t], K_PREDICTION)[1])
+        if history is not None:
+            cands[-1].append(history.lookup(seq[:len(prompt) + t], K).tokens)
         model.append(props[t][0] if props is not None else [])
         if g is not None:
             g.consume(out[t:t + 1])
@@ -298,7 +318,7 @@ def replay(a) -> None:
     target = Model(data["target"], ModelConfig(n_ctx=512), vocab_only=True)
     fixed = ["none", "ngram4", "ngram16"] + (["model4"] if any("draft" in r for r in data["runs"]) else [])
     policies = (["oracle", "auto", "auto-warm"] + (["auto-pred"] if any("prediction" in r for r in data["runs"]) else [])
-                + fixed)
+                + (["oracle-hist", "auto-hist"] if a.history else []) + fixed)
     gm = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
     if "model4" in fixed:
         print("## the draft model as model k 4 (p_min 0.75), per round: drafts at all / tokens drafted / "
@@ -319,9 +339,10 @@ def replay(a) -> None:
         print("|---" * (len(policies) + 2) + "|")
         ratios = {p: [] for p in policies}
         bare = []  # the ceiling without the draft model, per prompt (printed only where it drafted)
-        for run in data["runs"]:
+        for i, run in enumerate(data["runs"]):
             plain = replay_one(run, costs, "none", target)
-            row = {p: plain / replay_one(run, costs, p, target) for p in policies}
+            history = earlier(data["runs"], i) if a.history else None
+            row = {p: plain / replay_one(run, costs, p, target, history=history) for p in policies}
             for p in policies:
                 ratios[p].append(row[p])
             if "model4" in fixed:
@@ -333,6 +354,10 @@ def replay(a) -> None:
         print("| **geomean** | " + " | ".join(f"**{g[p]:.2f}x**" for p in policies) + f" | {share['auto']:.0%} |")
         print(f"auto-warm (statistics learned from the output in advance) captures {share['auto-warm']:.0%} "
               "of the ceiling's gain")
+        if a.history:
+            print(f"with the history of the runs before each: the ceiling {g['oracle-hist']:.2f}x, auto-hist "
+                  f"{g['auto-hist']:.2f}x ({(g['auto-hist'] - 1) / max(g['oracle-hist'] - 1, 1e-9):.0%} of its gain; "
+                  f"{g['auto-hist'] / g['auto']:.2f}x auto without it)")
         if bare:  # how much of the ceiling is the draft model's, and auto's share of the rest
             print(f"the ceiling without the draft model: {gm(bare):.2f}x (auto captures "
                   f"{(g['auto'] - 1) / max(gm(bare) - 1, 1e-9):.0%} of its gain)")
@@ -363,6 +388,8 @@ def main() -> None:
     p.add_argument("--costs", default="host", choices=["host", *CURVES, "all"],
                    help="host: the costs recorded with the outputs; amd1/amd2/intel: built-in curves measured on "
                         "three other 2-core hosts; zen1: a first-generation EPYC (AVX2 only)")
+    p.add_argument("--history", action="store_true",
+                   help="also price drafting from the outputs of the runs before each (oracle-hist, auto-hist)")
     p.add_argument("--costs-file", action="append", metavar="JSON",
                    help="also replay with costs from this file (a calibration cache file, or the GPU script's "
                         "costs.json); repeatable")

@@ -83,3 +83,22 @@ def test_the_ceiling_pays_the_draft_models_catch_up():
     assert free < some < bare == dear
     # at no catch-up cost: every round drafts 4 tokens that hold and emits 5 (the last round what is left)
     assert math.isclose(free, 8 * (0.080 + 0.040), rel_tol=1e-6), free
+
+
+def test_the_history_of_earlier_runs_raises_the_ceiling_and_auto_takes_part_of_it():
+    """replay --history: a run whose output an earlier run already gave can draft it from the history; the
+    ceiling with it is far above plain (the output never repeats itself, so without it nothing is drafted), auto
+    with it beats auto without it, and stays under its ceiling."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import oracle_bound as ob
+
+    out = list(range(100, 160))
+    runs = [{"prompt": [1, 2, 3, 4], "out": out}, {"prompt": [5, 6, 3, 4], "out": out}]
+    costs = ob.curve({1: 50, 2: 55, 5: 70, 17: 150}, 10.0)
+    assert ob.earlier(runs, 0).size == 0
+    history = ob.earlier(runs, 1)
+    plain = ob.replay_one(runs[1], costs, "none")
+    assert ob.replay_one(runs[1], costs, "oracle") == plain
+    ceiling = ob.replay_one(runs[1], costs, "oracle-hist", history=history)
+    auto, auto_hist = (ob.replay_one(runs[1], costs, p, history=history) for p in ("auto", "auto-hist"))
+    assert ceiling < plain / 2 and ceiling <= auto_hist < auto == plain
