@@ -55,8 +55,8 @@ def imports(module: str, path: Path) -> set[str]:
 def test_every_import_goes_down_the_layers():
     wrong = []
     for module, path in sorted(modules().items()):
-        if module == "localspec.__main__":  # `python -m localspec` runs the command line
-            continue
+        if module in ("localspec.__main__", "localspec.cli"):  # the command line: `python -m localspec`, and the
+            continue                                             # entry point of installs from before the layout
         mine = part(module)
         for target in sorted(imports(module, path)):
             theirs = part(target)
@@ -100,3 +100,12 @@ def test_the_core_imports_alone():
 def test_modules_stay_small():
     big = {m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > 500}
     assert not big, big
+
+
+def test_the_entry_point_of_installs_from_before_the_layout_still_runs_the_command():
+    """A checkout installed with `pip install -e .` before the layout has a `localspec` script that imports
+    localspec.cli:main; after updating the checkout it failed with ModuleNotFoundError until reinstalled."""
+    from localspec.apps import cli
+    from localspec.cli import main
+
+    assert main is cli.main
