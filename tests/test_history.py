@@ -178,3 +178,44 @@ def test_a_history_outlives_the_engine_and_can_be_kept_in_memory_only(smol_path,
     assert again.tokens == plain.tokens and again.stats.drafted_history > 24
     with localspec.load(target=smol_path, n_ctx=512, exact=True, history_mb=1, history_file=False) as llm:
         assert llm.generate(prompt, max_tokens=48, temperature=0, drafter="auto").stats.drafted_history == 0
+
+
+# ---- from a review ----
+def test_a_longer_match_at_the_end_of_an_output_does_not_hide_one_that_goes_on():
+    c = SuffixCache(1 << 20)
+    c.add([9, 1, 2, 3, 4])  # the longest match, but nothing follows it
+    c.add([7, 2, 3, 4, 5, 6, 7])
+    assert c.lookup([9, 1, 2, 3, 4], 4).tokens == [5, 6, 7]
+
+
+def test_a_cap_too_small_for_any_output_keeps_none():
+    c = SuffixCache(200)
+    c.add(list(range(5000)))
+    assert c.size == 0 and c.nbytes <= 200 + c.tokens.nbytes
+
+
+def test_one_output_longer_than_the_cap_keeps_its_end_and_an_empty_file_breaks_nothing(tmp_path, capsys):
+    from localspec.store.history import HistoryFiles
+
+    f = HistoryFiles(tmp_path, 100 * (4 + BYTES_PER_TOKEN))
+    f.save("", [[1, 2, 3, 4]] * 10)
+    f.save("", [list(range(9000))])
+    (kept,) = f.load("")
+    assert kept.tolist() == list(range(9000))[-99:]  # not an emptied file
+    f.path("").write_bytes(b"")  # what a power loss leaves
+    h = History(1, keeper=f)
+    assert h.cache("").size == 0 and "ignoring the unreadable history file" in capsys.readouterr().err
+    h.record("", [1, 2, 3], [4, 5, 6])
+    h.save()
+    assert [s.tolist() for s in f.load("")] == [[1, 2, 3, 4, 5, 6]]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_passphrase_in_the_environment_is_one_key(monkeypatch):
+    from localspec.apps.options import api_keys
+
+    monkeypatch.setenv("LOCALSPEC_API_KEY", "correct horse battery staple")
+    assert api_keys(()) == ("correct horse battery staple",)
+    assert api_keys(("a", "b")) == ("a", "b")
+    monkeypatch.delenv("LOCALSPEC_API_KEY")
+    assert api_keys(()) == ()

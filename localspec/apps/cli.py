@@ -10,7 +10,7 @@ import click
 
 from ..core.errors import LocalspecError
 from ..core.request import make_request
-from .options import (check_writable, constraint_options, generation_options, load_engine, model_options, read_stdin,
+from .options import (api_keys, check_writable, constraint_options, generation_options, load_engine, model_options, read_stdin,
                       read_text, split_options)
 
 
@@ -204,9 +204,9 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
 @generation_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback: this machine only).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="TCP port to listen on.")
-@click.option("--api-key", "api_key", multiple=True, envvar="LOCALSPEC_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1 requests (or set LOCALSPEC_API_KEY); repeatable: "
-                   "one key per app, and with --history-mb each key's outputs draft only its own requests.")
+@click.option("--api-key", "api_key", multiple=True,
+              help="Require 'Authorization: Bearer KEY' on /v1 requests (or set LOCALSPEC_API_KEY, one key); "
+                   "repeatable: one key per app, and with --history-mb each key's outputs draft only its own requests.")
 @click.option("--cors", multiple=True, metavar="ORIGIN", help="Let web pages from ORIGIN call the API ('*': any); "
               "repeatable. Off by default.")
 @click.option("--queue-size", type=click.IntRange(min=1), default=16, show_default=True,
@@ -235,7 +235,7 @@ def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
         llm = held.enter_context(load_engine(load_kw))
         if defaults.get("drafter", llm.defaults.get("drafter", "auto")) == "auto":
             llm.calibration()  # measure costs now (once per machine) rather than inside the first request
-        server.serve(llm, host=host, port=port, api_key=api_key or None, cors=cors, queue_size=queue_size,
+        server.serve(llm, host=host, port=port, api_key=api_keys(api_key) or None, cors=cors, queue_size=queue_size,
                      allow_hosts=allow_hosts, defaults=defaults, socks=socks)
 
 

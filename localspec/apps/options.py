@@ -210,3 +210,10 @@ def load_engine(load_kw: dict):
     if load_kw.get("pair") and load_kw.get("target"):
         raise click.UsageError("give either --pair NAME or --target/--draft paths, not both")
     return load(**load_kw)
+
+
+def api_keys(given: tuple[str, ...]) -> tuple[str, ...]:
+    """serve's keys: the --api-key flags, else LOCALSPEC_API_KEY as one key (click would split a multiple
+    option's variable on whitespace, making each word of a passphrase a key of its own)."""
+    env = os.environ.get("LOCALSPEC_API_KEY", "")
+    return tuple(given) or ((env,) if env else ())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import secrets
+import sys
 import threading
 from typing import Callable, Sequence
 
@@ -248,12 +249,14 @@ class Engine:
         stream ends 'cancelled'). A closed engine, and a stream still open on it, raise ModelError instead of
         touching freed memory."""
         self._closing.set()
-        if self.history is not None:
-            self.history.save()
-        with self._lock:
-            for m in (self.target, self.draft):
-                if m is not None:
-                    m.close()
+        try:
+            with self._lock:
+                for m in (self.target, self.draft):
+                    if m is not None:
+                        m.close()
+        finally:
+            if self.history is not None:  # after the round in progress: its output is recorded by then
+                self.history.save()
 
     def __enter__(self) -> "Engine":
         return self
@@ -273,4 +276,7 @@ def _recorded(facts, history: History, scope: str, prompt: list[int]):
             yield f
     finally:
         facts.close()
-        history.record(scope, prompt, out)
+        try:
+            history.record(scope, prompt, out)
+        except Exception as e:  # noqa: BLE001 - a history is a speed-up: never a reason for a request to fail
+            print(f"localspec: the output was not added to the history ({e})", file=sys.stderr)

@@ -69,7 +69,10 @@ class SuffixCache:
         if len(seq) <= ANCHOR or int(seq.min()) < 0 or int(seq.max()) >= 1 << 21:
             return
         if (len(seq) + 1) * (4 + BYTES_PER_TOKEN) > self.max_bytes:
-            seq = seq[-(self.max_bytes // (2 * (4 + BYTES_PER_TOKEN))):]  # one huge output keeps its end
+            room = self.max_bytes // (2 * (4 + BYTES_PER_TOKEN))  # one huge output keeps its end
+            if room <= ANCHOR:
+                return
+            seq = seq[-room:]
         with self.lock:
             if self.size + len(seq) + 1 > len(self.tokens):
                 grown = np.empty(max(2 * len(self.tokens), self.size + len(seq) + 1), dtype=np.int32)
@@ -127,6 +130,9 @@ class SuffixCache:
                 return NOTHING
             ends = np.asarray([ends] if type(ends) is int else ends[-CANDIDATES:], dtype=np.int64)
             buf = self.tokens[:self.size]
+            ends = ends[buf[ends + 1] >= 0]  # places with something after them (the last cell is always -1)
+            if not ends.size:
+                return NOTHING
             tail = np.asarray(context[-MAX_MATCH:], dtype=np.int32)[::-1]  # the context backwards from its end
             # how far back each place agrees with the context (a -1 separator never equals a token)
             back = ends[:, None] - np.arange(len(tail))[None, :]

@@ -60,7 +60,7 @@ class HistoryFiles:
             flat = np.load(path, allow_pickle=False)
         except FileNotFoundError:
             return []
-        except (OSError, ValueError) as e:  # a broken file (a full disk once): start afresh, say so
+        except Exception as e:  # noqa: BLE001 - a broken file (empty after a power loss, a full disk): start afresh
             print(f"localspec: ignoring the unreadable history file {path} ({e})", file=sys.stderr)
             return []
         if flat.ndim != 1 or flat.dtype != np.int32:
@@ -78,18 +78,24 @@ class HistoryFiles:
             path.parent.mkdir(parents=True, exist_ok=True)
             with _locked(path.with_suffix(".lock")):
                 seqs = self._read(path) + [np.asarray(s, dtype=np.int32) for s in new]
-                kept, total = [], 0
-                for s in reversed(seqs):  # newest first, while they fit
-                    total += (len(s) + 1) * (4 + BYTES_PER_TOKEN)
-                    if total > self.max_bytes:
+                kept, room = [], self.max_bytes // (4 + BYTES_PER_TOKEN)  # tokens that fit, with separators
+                for s in reversed(seqs):  # newest first, while they fit; the newest keeps its end if it alone is too long
+                    if len(s) + 1 > room:
+                        if not kept and room > 1:
+                            kept.append(s[-(room - 1):])
                         break
                     kept.append(s)
+                    room -= len(s) + 1
                 flat = np.concatenate([np.append(s, -1).astype(np.int32) for s in reversed(kept)]) if kept else \
                     np.empty(0, dtype=np.int32)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
                 with open(tmp, "wb") as fh:
                     np.save(fh, flat, allow_pickle=False)
+                    fh.flush()
+                    os.fsync(fh.fileno())  # whole on disk before it replaces the old file
                 os.replace(tmp, path)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - a history is a speed-up: never a reason for a request to fail
+            with contextlib.suppress(OSError, UnboundLocalError):
+                tmp.unlink(missing_ok=True)
             print(f"localspec: could not keep the history in {path} ({e}); it is kept in memory only",
                   file=sys.stderr)
