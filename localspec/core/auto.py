@@ -350,7 +350,7 @@ class AutoDrafter:
                                          start=f)
                 if speed > best[2]:
                     best = ("prediction", k, speed, tokens)
-            if self.history is not None:
+            if self.history is not None and self.history.size:  # nothing kept yet: no lookup
                 found = self.history.lookup(ctx, n - f)
                 hcont = found.tokens
                 if hcont and self.grammar is not None:
