@@ -49,7 +49,7 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
          flash_attn_draft: str | None = None, type_k_draft: str | None = None, type_v_draft: str | None = None,
          exact: bool = False, target_kwargs: Mapping[str, object] | None = None,
          draft_kwargs: Mapping[str, object] | None = None, memory_check: bool = True, allow_mirror: bool = True,
-         history_mb: float = 0, history_file: bool = True, verbose: bool = False) -> Engine:
+         history_mb: float = 0, history_file: bool = True, parallel: int | str = 1, verbose: bool = False) -> Engine:
     """Load a target model and, optionally, a draft model that shares its tokenizer.
 
     Models by path (target=, draft=) or by name: pair="NAME" from models.toml, or nothing at all for the
@@ -79,9 +79,15 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     requests. A request opts out with history=False. It is kept in $LOCALSPEC_HOME/history (read when first
     used, written as it grows and when the engine closes; safe with several processes) unless history_file is
     False.
+    parallel: requests decoded together (1-64, or 'auto'): each gets a KV cache sequence of n_ctx positions
+    (memory for parallel x n_ctx), and the streams open at once share each llama_decode (of the target, and of
+    the draft model), so a wide verify's cost is shared rather than paid by one; the N+1th stream waits for a
+    free one. 'auto' picks 1, 2, 4 or 8 from this machine's measured costs (where a wider decode costs nearly
+    in proportion to its width, as on many CPUs, 1). Not with exact.
     verbose: show llama.cpp's own log output and the memory estimate.
     """
     from .api.completions import Engine
+    from .core.engine import EXACT_PARALLEL
     from .store import download, memory, registry
     from .store.calibration import costs_keeper, exact_flash_attn
 
@@ -103,25 +109,51 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     elif pair is not None:
         raise ModelError("pass either pair='NAME' or target=/draft= paths, not both")
     n_ctx = 4096 if n_ctx is None else n_ctx
+    if parallel == "auto":
+        if exact:
+            parallel = 1
+        else:  # loaded for one request first: its measured costs say whether more pay (kept when they do not)
+            from .core.costs import parallel_for
+
+            kw = dict(locals())
+            kw = {k: kw[k] for k in ("target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "flash_attn", "type_k",
+                                     "type_v", "n_ctx_draft", "n_threads_draft", "n_gpu_layers_draft",
+                                     "flash_attn_draft", "type_k_draft", "type_v_draft", "target_kwargs",
+                                     "draft_kwargs", "memory_check", "history_mb", "history_file", "verbose")}
+            one = load(**kw, parallel=1)
+            try:
+                parallel = parallel_for(one.calibration())
+            except BaseException:
+                one.close()
+                raise
+            if parallel == 1:
+                one.name, one.defaults = name or one.name, defaults | one.defaults
+                return one
+            one.close()
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 64:
+        raise ModelError(f"parallel must be 1 to 64 or 'auto', got {parallel!r}")
+    if exact and parallel > 1:
+        raise EXACT_PARALLEL
     if n_ctx == 0:  # as in llama.cpp: the context the model was trained for
         n_ctx = memory.trained_ctx(check_gguf(target))
     if n_ctx_draft == 0:
         n_ctx_draft = memory.trained_ctx(check_gguf(draft)) if draft is not None else None
     tcfg = ModelConfig(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
-                       type_k=type_k, type_v=type_v, exact=exact, kwargs=dict(target_kwargs or {}))
+                       type_k=type_k, type_v=type_v, exact=exact, n_seq=parallel, kwargs=dict(target_kwargs or {}))
     try:
         dcfg = ModelConfig(n_ctx=n_ctx if n_ctx_draft is None else n_ctx_draft,
                            n_threads=n_threads if n_threads_draft is None else n_threads_draft,
                            n_gpu_layers=n_gpu_layers if n_gpu_layers_draft is None else n_gpu_layers_draft,
                            flash_attn=flash_attn_draft or flash_attn, type_k=type_k_draft or type_k,
-                           type_v=type_v_draft or type_v, kwargs=dict(draft_kwargs or {}))
+                           type_v=type_v_draft or type_v, n_seq=parallel, kwargs=dict(draft_kwargs or {}))
     except ModelError as e:  # name the draft's own setting: 'n_ctx_draft must be ...', 'draft_kwargs: ...'
         setting = re.match(r"(n_ctx|n_threads|n_gpu_layers|flash_attn|type_k|type_v) ", str(e))
         own = re.sub(r"(\w+) \(--([\w-]+)\)$", r"\1_draft (--\2-draft)", str(e))  # its own option: the draft's
         raise ModelError(f"{setting.group(1)}_draft{str(e)[len(setting.group(1)):]}" if setting else
                          f"draft_kwargs: {own}") from None
-    est = memory.estimate(check_gguf(target), check_gguf(draft) if draft is not None else None, tcfg.n_ctx,
-                          type_k=type_k, type_v=type_v, n_ctx_draft=dcfg.n_ctx if draft is not None else None,
+    est = memory.estimate(check_gguf(target), check_gguf(draft) if draft is not None else None,
+                          tcfg.n_ctx * parallel, type_k=type_k, type_v=type_v,
+                          n_ctx_draft=dcfg.n_ctx * parallel if draft is not None else None,
                           type_k_draft=dcfg.type_k, type_v_draft=dcfg.type_v)
     if verbose:
         print(f"localspec: estimated memory {est}", file=sys.stderr)

@@ -63,3 +63,18 @@ def kept(name: str, make) -> Path:
         os.utime(tmp, (1_700_000_000, 1_700_000_000))
         os.replace(tmp, path)
     return path
+
+
+def shadowed(smol: Path) -> Path:
+    """SmolLM2 64 tokens wider, its new ids repeating the rows of common words: a target that puts real
+    probability where its draft (SmolLM2 itself) has no token, so p differs from q on every host."""
+    from localspec.core.model import Model, ModelConfig
+
+    def make(dst: Path) -> None:
+        vocab = Model(smol, ModelConfig(n_ctx=64), vocab_only=True)
+        common = vocab.tokenize(" the a and was he she it of to in. , lighthouse keeper sea light night",
+                                add_special=False, parse_special=False)
+        vocab.close()
+        pad_vocab(smol, dst, 64, rows_of=common)
+
+    return kept(f"{smol.stem}-shadow64.gguf", make)

@@ -13,7 +13,7 @@ from localspec import RequestError
 from localspec.core import defaults
 from localspec.core.model import ModelError
 
-from gguf_edit import kept, pad_vocab
+from gguf_edit import kept, pad_vocab, shadowed
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
 STORY = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
@@ -33,14 +33,7 @@ def shadowed_pair(smol_path, tmp_path_factory):
     """The wide target whose 64 new ids repeat the rows of common words: it puts real probability where the
     draft has no token, so its p differs from the draft's q on every host. (With zero rows p and q agree to
     the last bit wherever batched logits are exact, as on a first-generation EPYC, and nothing is rejected.)"""
-    from localspec.core.model import Model, ModelConfig
-
-    vocab = Model(smol_path, ModelConfig(n_ctx=64), vocab_only=True)
-    common = vocab.tokenize(" the a and was he she it of to in. , lighthouse keeper sea light night",
-                            add_special=False, parse_special=False)
-    vocab.close()
-    wide = kept(f"{smol_path.stem}-shadow64.gguf", lambda dst: pad_vocab(smol_path, dst, 64, rows_of=common))
-    with localspec.load(target=wide, draft=smol_path, n_ctx=1024, exact=True) as llm:
+    with localspec.load(target=shadowed(smol_path), draft=smol_path, n_ctx=1024, exact=True) as llm:
         yield llm
 
 

@@ -308,6 +308,48 @@ def test_full_queue_answers_503_with_retry_after(small_server, smol_engine):
     assert waiting["r"].choices[0].message.content == chat_answer(smol_engine, MESSAGES, 8)
 
 
+@pytest.fixture(scope="module")
+def parallel_server(smol_path, tmp_path_factory):
+    """Four requests generated together, one more may wait."""
+    s = Server(smol_path, tmp_path_factory.mktemp("parallel") / "server.log", "--parallel", "4", "--queue-size", "1",
+               "--temperature", "0", fast=True)
+    yield s
+    s.stop()
+
+
+def test_four_streamed_requests_generate_together_and_a_leaving_one_frees_its_slot(parallel_server, smol_engine):
+    """Four OpenAI clients streaming at once each get their own text; /health counts them; a fifth waits, a sixth
+    is refused 503; the fifth starts once one of the four leaves, while the other three go on."""
+    client = parallel_server.client(key="unused")
+    starts = [f"{n}, {n + 1}, {n + 2}," for n in (1, 20, 300, 4000)]
+    streams = [client.completions.create(model=MODEL, prompt=p, max_tokens=400, stream=True) for p in starts]
+    firsts = [next(iter(s)).choices[0].text for s in streams]
+    h = parallel_server.health()
+    assert (h["active"], h["parallel"], h["queued"]) == (4, 4, 0)
+    texts = [f + "".join(c.choices[0].text for c, _ in zip(s, range(12))) for f, s in zip(firsts, streams)]
+    for p, t in zip(starts, texts):  # each counts on from its own prompt: no request read another's cache
+        alone = smol_engine.generate(p, temperature=0, max_tokens=40).text
+        assert len(t) > 10 and alone.startswith(t), (p, t, alone)
+    waiting = {}
+    fifth = threading.Thread(target=lambda: waiting.update(r=client.completions.create(
+        model=MODEL, prompt="7, 8, 9,", max_tokens=8)))
+    fifth.start()
+    deadline = time.monotonic() + 10
+    while parallel_server.health()["queued"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=MODEL, prompt="1,", max_tokens=8)
+    assert e.value.status_code == 503
+    streams[0].close()  # the first client leaves: its slot goes to the fifth within a round
+    fifth.join(timeout=60)
+    assert waiting["r"].choices[0].text == smol_engine.generate("7, 8, 9,", temperature=0, max_tokens=8).text
+    for s in streams[1:]:  # the other three went on meanwhile
+        assert "".join(c.choices[0].text for c, _ in zip(s, range(4)))
+        s.close()
+    parallel_server.wait_idle(30)
+
+
 def test_a_client_that_leaves_while_queued_gives_up_its_place(small_server, smol_engine):
     client = small_server.client(key="unused")
     running = client.completions.create(model=MODEL, prompt=COUNTING, temperature=0, max_tokens=1000, stream=True)

@@ -78,18 +78,21 @@ class Job:
 
 
 class Worker:
-    """Runs jobs one at a time in arrival order; at most `queue_size` wait behind the running one."""
+    """Runs jobs in arrival order, as many at once as the engine decodes together (its `parallel`: one thread
+    each, their rounds sharing each llama_decode); at most `queue_size` wait behind the running ones."""
 
     def __init__(self, engine: Engine, queue_size: int):
         self.engine, self.queue_size = engine, queue_size
         self.waiting: deque[Job] = deque()  # FIFO; a job whose client leaves is removed at once (`cancel`)
-        self.lock = threading.Condition()  # guards waiting, current and closing
-        self.current: Job | None = None
+        self.lock = threading.Condition()  # guards waiting, running and closing
+        self.running: set[Job] = set()
         self.closing = False
-        self._thread = threading.Thread(target=self._run, name="localspec-engine", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name=f"localspec-engine-{i}", daemon=True)
+                         for i in range(engine.parallel)]
 
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     def submit(self, job: Job) -> None:
         with self.lock:
@@ -112,31 +115,36 @@ class Worker:
     def close(self) -> None:
         """Refuse new jobs and answer the running and waiting ones 'shutting down' now (from the event loop).
 
-        The running one's response ends at once; the thread stops within a prefill chunk or a round.
+        The running ones' responses end at once; the threads stop within a prefill chunk or a round.
         """
         with self.lock:
             self.closing = True
-            jobs = [*self.waiting, *([self.current] if self.current else [])]
+            jobs = [*self.waiting, *self.running]
             self.waiting.clear()
-            self.lock.notify()
+            self.lock.notify_all()
         for job in jobs:
             job.cancelled.set()
             job.put(("error", _shutting_down()))
 
     def stop(self) -> None:
-        """Close, then wait for the thread."""
+        """Close, then wait for the threads."""
         self.close()
-        self._thread.join(timeout=1.0)
-        if self._thread.is_alive():
+        for t in self._threads:
+            t.join(timeout=1.0)
+        if any(t.is_alive() for t in self._threads):
             log.info("waiting for the current engine step to finish")
-            self._thread.join()
+            for t in self._threads:
+                t.join()
 
     def _next(self) -> Job | None:
         with self.lock:
             while not self.waiting and not self.closing:
                 self.lock.wait()
-            self.current = None if self.closing else self.waiting.popleft()
-            return self.current
+            if self.closing:
+                return None
+            job = self.waiting.popleft()
+            self.running.add(job)
+            return job
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
@@ -146,7 +154,8 @@ class Worker:
                 log.exception("generation failed")
                 job.put(("error", ApiError(f"generation failed: {e}", status=500, type="server_error")))
             finally:
-                self.current = None
+                with self.lock:
+                    self.running.discard(job)
 
     def _tokens(self, job: Job) -> list[int]:
         llm, req = self.engine, job.req
@@ -257,8 +266,10 @@ class App:
         Grammar(self.engine.target, spec).allowed()
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.engine.name, "busy": self.worker.current is not None,
-                             "queued": len(self.worker.waiting)})
+        w = self.worker
+        return JSONResponse({"status": "ok", "model": self.engine.name, "busy": bool(w.running),
+                             "active": len(w.running), "queued": len(w.waiting), "parallel": self.engine.parallel,
+                             "queue_size": w.queue_size})
 
     def _model(self) -> dict:
         return {"id": self.engine.name, "object": "model", "created": self.created, "owned_by": "localspec"}

@@ -10,8 +10,8 @@ import click
 
 from ..core.errors import LocalspecError
 from ..core.request import make_request
-from .options import (api_keys, check_writable, constraint_options, generation_options, load_engine, model_options, read_stdin,
-                      read_text, split_options)
+from .options import (api_keys, check_writable, constraint_options, generation_options, load_engine, model_options,
+                      parse_parallel, read_stdin, read_text, split_options)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -209,15 +209,19 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
                    "repeatable: one key per app, and with --history-mb each key's outputs draft only its own requests.")
 @click.option("--cors", multiple=True, metavar="ORIGIN", help="Let web pages from ORIGIN call the API ('*': any); "
               "repeatable. Off by default.")
+@click.option("--parallel", default="auto", show_default=True, metavar="N|auto",
+              help="Requests generated together, sharing each decode (1-64; each holds a cache of --n-ctx tokens). "
+                   "auto: 1, 2, 4 or 8, as this machine's measured costs say pays (1 where a wider decode costs "
+                   "nearly in proportion, as on many CPUs). Not with --exact (there auto is 1).")
 @click.option("--queue-size", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Requests that may wait behind the running one; beyond that: 503 with Retry-After.")
+              help="Requests that may wait behind the running ones; beyond that: 503 with Retry-After.")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="HOST",
               help="Also answer requests sent to the name HOST ('*': any); repeatable. Without --api-key only "
                    "loopback names, --host and IP addresses are answered (a guard against DNS rebinding).")
-def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
+def serve(host, port, api_key, cors, parallel, queue_size, allow_hosts, **kw):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
-    One request generates at a time, in arrival order. The generation flags are the defaults of requests
+    Requests generate in arrival order, --parallel at a time. The generation flags are the defaults of requests
     that leave a field out. Needs the server extra: pip install -e '.[server]' in the checkout.
     """
     try:
@@ -226,6 +230,7 @@ def serve(host, port, api_key, cors, queue_size, allow_hosts, **kw):
         raise click.UsageError(f"`localspec serve` needs the server extra ({e.name} is missing): "
                                "pip install -e '.[server]' in the checkout") from None
     load_kw, gen_kw = split_options(kw)
+    load_kw["parallel"] = parse_parallel(parallel)
     defaults = {k: v for k, v in gen_kw.items() if v is not None}
     make_request(**defaults)  # fail before loading models
     socks = server.bind(host, port)  # a port in use, too: before loading

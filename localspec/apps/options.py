@@ -202,6 +202,18 @@ def split_options(kw: dict) -> tuple[dict, dict]:
     return load_kw, kw
 
 
+def parse_parallel(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise click.BadParameter(f"{text!r}: give a number of requests from 1 to 64, or auto", param_hint="--parallel")
+    return n
+
+
 def load_engine(load_kw: dict):
     from .. import load
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llama_cpp as L
 import numpy as np
@@ -32,6 +32,8 @@ class Costs:
     draft: tuple[float, ...] | None
     sample_row: float
     draft_fill: tuple[float, ...] | None = None
+    # concurrent requests: (sequences, a verify of theirs against one sequence's of as many tokens) (measure_batch)
+    batch: tuple[tuple[int, float], ...] | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "Costs":
@@ -39,7 +41,8 @@ class Costs:
         KeyError, TypeError or ValueError when it is not one."""
         return cls(tuple(d["sizes"]), tuple(d["depths"]), tuple(map(tuple, d["verify"])),
                    tuple(d["draft"]) if d["draft"] is not None else None, float(d["sample_row"]),
-                   tuple(d["draft_fill"]) if d.get("draft_fill") is not None else None)
+                   tuple(d["draft_fill"]) if d.get("draft_fill") is not None else None,
+                   tuple(map(tuple, d["batch"])) if d.get("batch") is not None else None)
 
     def _at_depth(self, values, depth):
         if len(self.depths) == 1:
@@ -56,6 +59,13 @@ class Costs:
         """Seconds of a verify of n tokens (a number or an array) with `depth` tokens cached."""
         rows = [np.interp(n, self.sizes, v) for v in self.verify]
         return self._at_depth(rows, depth)
+
+    def batch_cost(self, n, depth: int = 0, seqs: int = 1):
+        """Seconds of one decode of n tokens (in all) from `seqs` sequences, each `depth` deep."""
+        if seqs <= 1 or not self.batch:
+            return self.verify_cost(n, depth)
+        b, r = zip(*((1, 1.0), *self.batch))
+        return self.verify_cost(n, depth) * float(np.interp(seqs, b, r))
 
     def draft_cost(self, depth: int = 0) -> float:
         return float(self._at_depth(self.draft, depth)) if self.draft is not None else float("inf")
@@ -75,7 +85,31 @@ class Costs:
             lines.append("fill:   " + ", ".join(f"{self.fill_cost(d) * 1e3:.2f} ms per token of draft catch-up @{d}"
                                                 for d in self.depths))
         lines.append(f"sample: {self.sample_row * 1e3:.2f} ms per row at temperature > 0")
+        if self.batch:
+            lines.append("batch:  " + ", ".join(f"{b} sequences x{r:.2f}" for b, r in self.batch)
+                         + " (a decode of theirs against one sequence's of as many tokens)")
         return "\n".join(lines)
+
+
+class Shared:
+    """Costs as one request of a batch sees them (engine, parallel > 1): its verify shares one llama_decode with
+    the others' tokens. A round then costs T(w + n) for all b sequences, w the others' tokens; adding drafts
+    pays for the whole batch's round only if they yield more than the batch's rate per second, which is the
+    single-request rule priced with T(w + n) - T(w + 1) + T(w + 1) / b (T(n) when alone). others() gives
+    (w, b) as the latest decode had them."""
+
+    def __init__(self, costs: Costs, others):
+        self.costs, self.others = costs, others
+
+    def __getattr__(self, name: str):
+        return getattr(self.costs, name)
+
+    def verify_cost(self, n, depth: int = 0):
+        w, b = self.others()
+        if b <= 1:
+            return self.costs.verify_cost(n, depth)
+        base = self.costs.batch_cost(w + 1, depth, b)
+        return self.costs.batch_cost(w + np.asarray(n), depth, b) - base + base / b
 
 
 def cpu_name() -> str:
@@ -210,3 +244,56 @@ def _measure(target: Model, draft: Model | None, reps: int, log, stop) -> Costs:
         times.append(time.perf_counter() - t)
     return Costs(sizes, depths, tuple(verify), tuple(drafts) if draft is not None else None,
                  float(np.median(times)), tuple(fills) if draft is not None else None)
+
+
+BATCH_SEQS = (2, 4, 8)
+BATCH_WIDTHS = (1, 4)  # plain decoding, and a short verify each
+
+
+def measure_batch(target: Model, costs: Costs, *, reps: int = 3, log=None) -> Costs:
+    """costs with `batch`: for 2, 4, 8 sequences (as many as the target holds), a decode of theirs (1 and 4
+    tokens each) against one sequence's decode of as many tokens, at the shallower measured depth: what
+    sharing a llama_decode between requests costs beyond its width (their attention reads their own caches)."""
+    from .batch import Job
+
+    seqs = [b for b in BATCH_SEQS if b < len(target.seqs)]
+    if not seqs:
+        return costs
+    depth = costs.depths[0]
+    fill = _fill(target, depth)
+    try:
+        for s in target.seqs[:seqs[-1] + 1]:
+            s.sync(fill)
+        out = []
+        for b in seqs:
+            ratios = []
+            for w in BATCH_WIDTHS:
+                times = []
+                for _ in range(reps):
+                    jobs = [Job(s, fill[-w:], "all") for s in target.seqs[1:b + 1]]
+                    t = time.perf_counter()
+                    target._run_jobs(jobs)
+                    many = time.perf_counter() - t
+                    for s in target.seqs[1:b + 1]:
+                        s.truncate(depth)
+                    times.append(many / _time_decode(target, b * w))
+                ratios.append(float(np.median(times)))
+            out.append((b, float(np.mean(ratios))))
+            if log:
+                log(f"{b} sequences: x{out[-1][1]:.2f} against one sequence of as many tokens")
+    finally:
+        for s in target.seqs:
+            s.truncate(0)
+    return replace(costs, batch=tuple(out))
+
+
+def parallel_for(costs: Costs, most: int = 8) -> int:
+    """How many requests are worth decoding together here: the batch doubles while that raises plain decoding's
+    tokens per second in all by 10% or more (the target's verify curve at the shallower depth: one decode of
+    n tokens, as a batch of n requests' tokens costs about as much). 1 where a wider decode costs nearly in
+    proportion to its width (many CPUs)."""
+    n = 1
+    while 2 * n <= min(most, costs.sizes[-1]) and \
+            costs.verify_cost(2 * n) / (2 * n) * 1.1 <= costs.verify_cost(n) / n:
+        n *= 2
+    return n

@@ -10,24 +10,34 @@ from typing import Callable, Sequence
 
 from . import defaults
 from .auto import AutoDrafter, vocab_kinds
-from .costs import Costs, measure
+from .batch import Batcher
+from .costs import Costs, Shared, measure, measure_batch
 from .drafters import Drafter, GrammarDrafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, Prediction
 from .grammar import Grammar, Unconstrained
 from .history import History
-from .loop import Token, speculate
+from .loop import Finish, Token, speculate
 from .model import Cancelled, Model, ModelError
 from .request import Request, RequestError, make_request
 from .stream import Result, Stream
 
 
+EXACT_PARALLEL = ModelError(
+    "exact mode cannot be kept with parallel requests: a request decoded beside others shares each llama_decode "
+    "with their tokens and its cache with their cells, which exact mode's probe does not cover, so its text could "
+    "differ from the same request served alone; use parallel 1 with exact, or run without exact")
+
+
 class Engine:
     """A target model, an optional draft model, and the generation API over them (see localspec.load).
 
-    Safe to share between threads and between interleaved streams: each round holds the engine's lock and
-    first restores the target's cache to its own context if another stream changed it (correct, but each
-    switch costs a prefill of what differs; one stream at a time is the fast way). In exact mode each stream
-    gets the very text it would get alone; in the default mode a cache rebuilt in other batches than a fresh
-    prefill can flip a near-tie at temperature 0.
+    Safe to share between threads and between interleaved streams. With one sequence (parallel 1, the
+    default) each round holds the engine's lock and first restores the target's cache to its own context if
+    another stream changed it (correct, but each switch costs a prefill of what differs; one stream at a time
+    is the fast way). In exact mode each stream gets the very text it would get alone; in the default mode a
+    cache rebuilt in other batches than a fresh prefill can flip a near-tie at temperature 0.
+    With parallel N (models loaded with n_seq=N) up to N streams decode together, each in a sequence of its
+    own (a slot), their rounds joined into one llama_decode per model (batch.Batcher); a stream waits for a
+    free slot when N are open, and takes the one whose cache shares most of its prompt.
     """
 
     def __init__(self, target: Model, draft: Model | None = None, *, name: str | None = None,
@@ -41,9 +51,21 @@ class Engine:
         self.history = History(history_mb, keeper=history_keeper) if history_mb > 0 else None
         self.name = name or target.path.stem
         self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
-        self._measure = costs or (lambda target, draft, force=False, stop=None: measure(target, draft, stop=stop))
+        self._measure = costs or (lambda target, draft, force=False, stop=None:
+                                  measure_batch(target, measure(target, draft, stop=stop)))
         self._costs = None
         self._lock = threading.RLock()
+        self.parallel = target.n_seq
+        self._batcher = Batcher() if self.parallel > 1 else None
+        if self._batcher is not None:
+            if target.cfg.exact:
+                raise EXACT_PARALLEL
+            for m in (target, draft):
+                if m is not None:
+                    m.batcher = self._batcher
+        self._slots = threading.Condition()
+        self._free = list(range(1, self.parallel + 1)) if self.parallel > 1 else []
+        self._held: dict[int, int] = {}  # slot -> the thread whose stream holds it
         self._closing = threading.Event()  # close() asks the stream in progress to stop at its next check
 
     # -- prompts --
@@ -118,12 +140,16 @@ class Engine:
     def calibration(self, *, force: bool = False):
         """This machine's speculation costs for these models (costs.Costs); measured on first use, kept."""
         if self._costs is None or force:
-            with self._lock:
+            with self._quiet():
                 try:
                     self._costs = self._measure(self.target, self.draft, force=force, stop=self._closing.is_set)
                 except Cancelled:  # close() was called meanwhile: nothing was kept, it is measured next time
                     raise ModelError(f"{self.name} was closed while measuring its costs") from None
         return self._costs
+
+    def _quiet(self):
+        """Held while the models are measured or closed: no stream decodes meanwhile."""
+        return self._batcher.exclusive() if self._batcher is not None else self._lock
 
     def token_kinds(self):
         """Each target token's kind (drafters.vocab_kinds), as auto reads them."""
@@ -144,16 +170,19 @@ class Engine:
         return Prediction(pred, len(tokens)) if pred else None
 
     def _drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str],
-                 grammar, scope: str) -> tuple[str, Drafter, bool]:
-        """(name, drafter, whether to prefill the draft model with the prompt)."""
+                 grammar, scope: str, target=None, draft=None) -> tuple[str, Drafter, bool]:
+        """(name, drafter, whether to prefill the draft model with the prompt); target and draft: the sequences
+        the request decodes in (the models' own by default)."""
         name, drafter, prefill_draft = self._free_drafter(req, seed, tokens, notes, grammar,
-                                                          self._prediction(req, tokens, notes), scope)
+                                                          self._prediction(req, tokens, notes), scope,
+                                                          self.target if target is None else target,
+                                                          self.draft if draft is None else draft)
         if grammar is not None and name not in ("none", "auto"):  # auto drafts the forced tokens itself
             drafter = GrammarDrafter(grammar, drafter)
         return name, drafter, prefill_draft
 
     def _free_drafter(self, req: Request, seed: int, tokens: list[int], notes: list[str], grammar,
-                      prediction: Prediction | None, scope: str) -> tuple[str, Drafter, bool]:
+                      prediction: Prediction | None, scope: str, target, draft) -> tuple[str, Drafter, bool]:
         name = req.drafter or defaults.DRAFTER
         if name in ("model", "hybrid") and self.draft is None:
             raise RequestError(f"drafter {name!r} needs a draft model: load one (draft=PATH, --draft) "
@@ -162,7 +191,7 @@ class Engine:
             return name, NoDrafter(), False
         if name == "ngram":
             return name, NgramDrafter(prediction=prediction), False
-        model = (ModelDrafter(self.draft, req.sampling, seed=seed, p_min=req.p_min, prompt_len=len(tokens),
+        model = (ModelDrafter(draft, req.sampling, seed=seed, p_min=req.p_min, prompt_len=len(tokens),
                               target_vocab=self.target.n_vocab, grammar=grammar) if self.draft is not None else None)
         fits = model is not None and model.fits(tokens)
         if model is not None and not fits:
@@ -174,7 +203,10 @@ class Engine:
                                    "or use drafter 'auto' or 'ngram', which stand aside")
             notes.append(f"the draft model stands aside: {why}")
         if name == "auto":
-            auto = AutoDrafter(self.calibration(), NgramDrafter(n_min=1, n_max=8), model if fits else None,
+            costs = self.calibration()
+            if self._batcher is not None:  # priced as a share of the batch it decodes in
+                costs = Shared(costs, lambda: self._batcher.others(target))
+            auto = AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model if fits else None,
                                sample_rows=not req.sampling.greedy, grammar=grammar, prediction=prediction,
                                kinds=self.token_kinds(),
                                history=self.history.cache(scope) if self.history is not None and req.history else None)
@@ -226,15 +258,47 @@ class Engine:
             notes.append(f"k={k} is more than one decode holds: clamped to {self.target.n_batch - 1} "
                          f"(n_batch={self.target.n_batch})")
             k = self.target.n_batch - 1
-        draft_model = self.draft if name in ("model", "hybrid", "auto") else None
-        facts = speculate(self.target, draft_model, drafter, tokens, max_tokens=req.max_tokens, k=k, rule=req.accept,
-                          params=req.sampling, seed=seed, tau=req.threshold, prefill_draft=prefill_draft,
-                          lock=self._lock, cancel=cancel, grammar=grammar or Unconstrained(),
-                          top_logprobs=req.logprobs)
+        uses_draft = name in ("model", "hybrid", "auto")
+
+        def run(target, draft, drafter=drafter, lock=self._lock):
+            return speculate(target, draft if uses_draft else None, drafter, tokens, max_tokens=req.max_tokens, k=k,
+                             rule=req.accept, params=req.sampling, seed=seed, tau=req.threshold,
+                             prefill_draft=prefill_draft, lock=lock, cancel=cancel,
+                             grammar=grammar or Unconstrained(), top_logprobs=req.logprobs)
+
+        if self._batcher is None:
+            facts = run(self.target, self.draft)
+        else:  # in a slot, once the stream starts; its drafter is made again for the slot's sequences
+            facts = self._in_slot(tokens, cancel, lambda t, d: run(
+                t, d, self._drafter(req, seed, tokens, [], grammar, scope, t, d)[1], self._batcher))
         if self.history is not None and req.history:
             facts = _recorded(facts, self.history, scope, tokens)
         return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
                       prompt_tokens=len(tokens), seed=seed, notes=notes, trace=trace, halt=halt, stopped=stopped)
+
+    def _in_slot(self, prompt: list[int], cancel, run):
+        """run(target sequence, draft sequence)'s facts, in a free slot (the one caching most of the prompt),
+        given back when the stream ends."""
+        me = threading.get_ident()
+        with self._slots:
+            while not self._free:
+                if sum(t == me for t in self._held.values()) == self.parallel:
+                    raise RequestError(f"all {self.parallel} parallel slots are held by streams this thread has "
+                                       "open: read one to its end or close it first (or load with a larger parallel)")
+                if cancel():
+                    yield Finish("cancelled")
+                    return
+                self._slots.wait(0.1)
+            slot = max(self._free, key=lambda s: self.target.seqs[s].cached_prefix(prompt))
+            self._free.remove(slot)
+            self._held[slot] = me
+        try:
+            yield from run(self.target.seqs[slot], self.draft.seqs[slot] if self.draft is not None else None)
+        finally:
+            with self._slots:
+                del self._held[slot]
+                self._free.append(slot)
+                self._slots.notify()
 
     def generate(self, prompt: str | Sequence[int], **options) -> Result:
         """Generate to the end and return the text, tokens, from_draft flags, finish_reason and stats."""
@@ -250,7 +314,7 @@ class Engine:
         touching freed memory."""
         self._closing.set()
         try:
-            with self._lock:
+            with self._quiet():
                 for m in (self.target, self.draft):
                     if m is not None:
                         m.close()

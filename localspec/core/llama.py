@@ -146,7 +146,7 @@ _REFUSED = {"vocab_only": "a model loaded for its vocabulary alone cannot genera
             "embeddings": "speculation reads the logits, which an embeddings context does not give",
             "n_outputs_max": "a verify needs a logit row for every drafted token",
             "n_outputs_max_per_seq": "a verify needs a logit row for every drafted token",
-            "n_seq_max": "each model holds one sequence here", "n_samplers": "llama.cpp's own samplers are not used"}
+            "n_seq_max": "its own option sets it: n_seq (--parallel)", "kv_unified": "concurrent requests need one unified cache", "n_samplers": "llama.cpp's own samplers are not used"}
 
 
 @dataclass(frozen=True)
@@ -160,15 +160,18 @@ class ModelConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     exact: bool = False
+    n_seq: int = 1  # requests decoded together (each its own sequence of n_ctx positions)
     kwargs: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("n_ctx", "n_threads", "n_gpu_layers"):
+        for name in ("n_ctx", "n_threads", "n_gpu_layers", "n_seq"):
             v = getattr(self, name)
             if not (v is None and name == "n_threads") and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ModelError(f"{name} must be an integer, got {v!r}")
         if self.n_ctx < 16:
             raise ModelError(f"n_ctx must be at least 16, got {self.n_ctx}")
+        if not 1 <= self.n_seq <= 64:
+            raise ModelError(f"n_seq (parallel requests) must be 1 to 64, got {self.n_seq}")
         if self.n_threads is not None and self.n_threads < 1:
             raise ModelError(f"n_threads must be at least 1, got {self.n_threads}")
         if self.flash_attn not in FLASH_ATTN:

@@ -1,11 +1,12 @@
 """One llama.cpp model and its context, on llama-cpp-python's low-level API.
 
-A `Model` owns a llama_model, a llama_context (its own KV cache) and one reusable llama_batch. It keeps
-`tokens`, the exact token list its KV cache holds (sequence 0, positions 0..len-1), and offers the three
-operations speculative decoding needs: `decode` a run of tokens asking logits only for chosen rows,
-`truncate` the cache back to a prefix (llama_memory_seq_rm), and `sync` to a new prompt reusing the
-common prefix. Logit rows come back as zero-copy numpy views of llama.cpp's output buffer: they are valid
-until the next decode of the same model.
+A `Model` owns a llama_model, a llama_context (its own KV cache) and one reusable llama_batch. Its cache holds
+one sequence (`Seq`) per concurrent request (one unless ModelConfig.n_seq says more), each with the exact
+token list it holds (positions 0..len-1) and the three operations speculative decoding needs: `decode` a run
+of tokens asking logits only for chosen rows, `truncate` back to a prefix (llama_memory_seq_rm), and `sync`
+to a new prompt reusing the common prefix. The model's own `tokens`, `decode`, ... are sequence 0's. Logit
+rows of a sequence decoding alone are zero-copy numpy views of llama.cpp's output buffer, valid until the
+next decode of the same model.
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ class Model:
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig = ModelConfig(), *, vocab_only: bool = False):
         self.path = check_gguf(path)
         self.cfg = cfg
-        self.tokens: list[int] = []
-        self.version = 0  # bumped by every change to the cache: a stream notices another user's changes
+        self.seqs: list[Seq] = []
+        self.batcher = None  # with concurrent requests, the engine's batch.Batcher: decodes join others'
+        self._ctx_lock = threading.Lock()  # llama.cpp's context is used by one thread at a time
         self.decode_s = 0.0  # total time inside llama_decode: profiles read it to find Python overhead
         self._model = self._ctx = self._batch = None
         self._use = _Users()  # the threads reading the vocabulary: close() waits for them
@@ -45,8 +47,13 @@ class Model:
             mp.use_extra_bufts = False  # no CPU weight repacking: batched logits == single-token logits
         cp = L.llama_context_default_params()
         threads = cfg.n_threads or default_threads()
-        cp.n_ctx = cfg.n_ctx
+        # Concurrent requests (n_seq > 1) each get a sequence of n_ctx positions, plus sequence 0 for the
+        # model's own use (calibration). One unified cache of n_seq * n_ctx cells: llama.cpp splits a batch over
+        # per-sequence caches into equal-width pieces, which would break a verify of k tokens beside others' 1.
+        cp.n_ctx = cfg.n_ctx * cfg.n_seq
         cp.n_batch = cp.n_ubatch = min(cfg.n_ctx, 512)
+        if cfg.n_seq > 1:
+            cp.n_seq_max, cp.kv_unified = cfg.n_seq + 1, True
         if cfg.exact:
             # CPU matmuls switch kernels at 64-row batches: smaller physical batches keep a prompt prefilled in
             # one go bit-identical to the same tokens decoded a few at a time (multi-turn chat, prefix reuse).
@@ -92,7 +99,9 @@ class Model:
             raise ModelError(f"llama.cpp could not create a context for {self.path.name} with n_ctx={cfg.n_ctx}"
                              f"{_last_log()}; {fix}")
         self._mem = L.llama_get_memory(self._ctx)
-        self.n_ctx = L.llama_n_ctx(self._ctx)
+        self.n_ctx = L.llama_n_ctx(self._ctx) // cfg.n_seq  # per sequence
+        self.n_seq = cfg.n_seq
+        self.seqs = [Seq(self, i, self.n_ctx) for i in range(cfg.n_seq + (cfg.n_seq > 1))]
         self.n_batch = L.llama_n_batch(self._ctx)  # as llama.cpp settled it (n_batch in kwargs, its own bounds)
         # One batch for the model's lifetime; numpy views over its arrays make filling it loop-free.
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
@@ -101,6 +110,7 @@ class Model:
         self._b_pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
         self._b_logits = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
         np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))[:] = 1
+        self._b_seq = [0] * self.n_batch  # each batch position's sequence id, as set in b.seq_id
         for i in range(self.n_batch):
             b.seq_id[i][0] = 0
 
@@ -201,89 +211,66 @@ class Model:
         t = L.llama_model_chat_template(self._model, None)
         return t.decode("utf-8") if t else None
 
-    # ---- the KV cache ----
-    def decode(self, tokens: Sequence[int], *, logits: str = "last") -> np.ndarray | None:
-        """Append tokens to the cache in one llama_decode per n_batch chunk.
+    # ---- the KV cache: sequence 0's, for what uses one model alone (calibration, probes, tests) ----
+    @property
+    def tokens(self) -> list[int]:
+        return self.seqs[0].tokens
 
-        logits: "none", "last" (one row) or "all" (one row per token; needs len(tokens) <= n_batch).
-        Returns a (rows, n_vocab) float32 view of llama.cpp's buffer, valid until the next decode.
-        """
-        n = len(tokens)
-        ctx = self._live_ctx()
-        if n == 0:
-            return None
-        if len(self.tokens) + n > self.n_ctx:
-            raise ContextFullError(f"{len(self.tokens)} + {n} tokens exceed n_ctx={self.n_ctx}")
-        if logits == "all" and n > self.n_batch:
-            raise ValueError(f"cannot return logits for {n} > n_batch={self.n_batch} tokens")
-        for start in range(0, n, self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            m, p0 = len(chunk), len(self.tokens)
-            self._b_tok[:m] = chunk
-            self._b_pos[:m] = np.arange(p0, p0 + m)
-            self._b_logits[:m] = 1 if logits == "all" else 0
-            last = start + m == n
-            if last and logits == "last":
-                self._b_logits[m - 1] = 1
-            self._batch.n_tokens = m
-            t = time.perf_counter()
-            rc = L.llama_decode(ctx, self._batch)
-            self.decode_s += time.perf_counter() - t
-            if rc != 0:
-                self.truncate(len(self.tokens))  # drop whatever a failed decode may have left
-                if rc == 1:
-                    raise ContextFullError(f"no KV cache slot for {m} tokens at position {p0} (n_ctx={self.n_ctx})")
-                raise ModelError(f"llama_decode failed with code {rc}{_last_log()}")
-            self.tokens.extend(chunk)
-            self.version += 1
-        if logits == "none":
-            return None
-        rows = n if logits == "all" else 1
-        return np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(rows, self.n_vocab))
+    @property
+    def version(self) -> int:
+        return self.seqs[0].version
+
+    def decode(self, tokens: Sequence[int], *, logits: str = "last") -> np.ndarray | None:
+        return self.seqs[0].decode(tokens, logits=logits)
 
     def truncate(self, n: int) -> None:
-        """Forget every cached position >= n."""
-        del self.tokens[n:]  # first: an interrupt between the two steps leaves the cache >= the list, never <
-        self.version += 1
-        if self._ctx is None:  # closed: no cache left to roll back
-            return
-        if not L.llama_memory_seq_rm(self._mem, 0, n, -1):
-            raise ModelError(f"llama.cpp refused to roll the KV cache of {self.path.name} back to {n} tokens")
+        self.seqs[0].truncate(n)
 
     def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of `tokens` the cache already holds."""
-        cached = np.asarray(self.tokens[:len(tokens)], dtype=np.int64)
-        differ = np.flatnonzero(cached != np.asarray(tokens[:len(cached)], dtype=np.int64))
-        return int(differ[0]) if differ.size else len(cached)
+        return self.seqs[0].cached_prefix(tokens)
 
     def sync(self, tokens: Sequence[int], *, logits: bool = False, cancel=None) -> tuple[int, np.ndarray | None]:
-        """Make the cache hold exactly `tokens`, reusing the longest common prefix already cached.
-
-        Returns (tokens reused, the last token's logit row when `logits`; that token is re-decoded if needed).
-        cancel: checked between chunks of PREFILL_CHUNK tokens; when it returns True, Cancelled is raised and
-        the cache holds the chunks done so far (a later sync reuses them).
-        """
-        keep = self.cached_prefix(tokens)
-        if logits:
-            keep = min(keep, len(tokens) - 1)
-        self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list
-        rest = tokens[keep:]
-        if cancel is not None:
-            # offloaded to a GPU, whole batches (a GPU wants them big, and gets through them fast)
-            chunk = PREFILL_CHUNK if self.cfg.n_gpu_layers == 0 else max(PREFILL_CHUNK, self.n_batch)
-            while len(rest) > chunk:
-                if cancel():
-                    raise Cancelled("cancelled during the prefill")
-                self.decode(rest[:chunk], logits="none")
-                rest = rest[chunk:]
-            if cancel():
-                raise Cancelled("cancelled during the prefill")
-        return keep, self.decode(rest, logits="last" if logits else "none")
+        return self.seqs[0].sync(tokens, logits=logits, cancel=cancel)
 
     def pos_max(self) -> int:
-        """llama.cpp's own view of the last cached position (-1 when empty)."""
-        self._live_ctx()
-        return L.llama_memory_seq_pos_max(self._mem, 0)
+        return self.seqs[0].pos_max()
+
+    def _run_jobs(self, jobs) -> None:
+        """One llama_decode of several sequences' tokens (batch.Job: each sequence at most once, n_batch in all);
+        each job gets its rows, copied out of llama.cpp's buffer unless it is alone."""
+        ctx = self._live_ctx()
+        at = 0
+        for job in jobs:
+            m, p0 = len(job.tokens), len(job.seq.tokens)
+            self._b_tok[at:at + m] = job.tokens
+            self._b_pos[at:at + m] = np.arange(p0, p0 + m)
+            self._b_logits[at:at + m] = 1 if job.logits == "all" else 0
+            if job.logits == "last":
+                self._b_logits[at + m - 1] = 1
+            for i in range(at, at + m):
+                if self._b_seq[i] != job.seq.id:
+                    self._batch.seq_id[i][0] = self._b_seq[i] = job.seq.id
+            at += m
+        self._batch.n_tokens = at
+        t = time.perf_counter()
+        with self._ctx_lock:
+            rc = L.llama_decode(ctx, self._batch)
+        self.decode_s += time.perf_counter() - t
+        if rc != 0:
+            for job in jobs:
+                job.seq.truncate(len(job.seq.tokens))  # drop whatever a failed decode may have left
+            if rc == 1:
+                raise ContextFullError(f"no KV cache slot for {at} tokens (n_ctx={self.n_ctx} per sequence)")
+            raise ModelError(f"llama_decode failed with code {rc}{_last_log()}")
+        out = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(at, self.n_vocab))
+        row = 0
+        for job in jobs:
+            job.seq.tokens.extend(job.tokens)
+            job.seq.version += 1
+            n = 0 if job.logits == "none" else len(job.tokens) if job.logits == "all" else 1
+            job.rows = None if n == 0 else out[row:row + n] if len(jobs) == 1 and self.batcher is None \
+                else np.array(out[row:row + n])
+            row += n
 
     def close(self) -> None:
         """Free the model, once no other thread is inside a vocabulary call (the engine's lock covers its rounds;
@@ -306,6 +293,99 @@ class Model:
             self.close()
         except Exception:
             pass
+
+
+class Seq:
+    """One sequence of a Model's KV cache: the exact token list it holds (positions 0..len-1) and the three
+    operations speculative decoding needs: `decode` a run of tokens asking logits only for chosen rows,
+    `truncate` back to a prefix (llama_memory_seq_rm), and `sync` to a new prompt reusing the common prefix.
+    Everything else (the vocabulary, n_batch, ...) is the model's. With concurrent requests (ModelConfig.n_seq)
+    each request decodes in its own sequence, and its decodes join the others' in one llama_decode
+    (batch.Batcher)."""
+
+    def __init__(self, model: Model, seq_id: int, n_ctx: int):
+        self.model, self.id, self.n_ctx = model, seq_id, n_ctx
+        self.tokens: list[int] = []
+        self.version = 0  # bumped by every change to the cache: a stream notices another user's changes
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def decode(self, tokens: Sequence[int], *, logits: str = "last") -> np.ndarray | None:
+        """Append tokens to the cache in one llama_decode per n_batch chunk.
+
+        logits: "none", "last" (one row) or "all" (one row per token; needs len(tokens) <= n_batch).
+        Returns a (rows, n_vocab) float32 array: alone, a view of llama.cpp's buffer, valid until the next decode.
+        """
+        from .batch import Job
+
+        n, model = len(tokens), self.model
+        model._live_ctx()
+        if n == 0:
+            return None
+        if len(self.tokens) + n > self.n_ctx:
+            raise ContextFullError(f"{len(self.tokens)} + {n} tokens exceed n_ctx={self.n_ctx}")
+        if logits == "all" and n > model.n_batch:
+            raise ValueError(f"cannot return logits for {n} > n_batch={model.n_batch} tokens")
+        rows = None
+        for start in range(0, n, model.n_batch):
+            chunk = list(tokens[start:start + model.n_batch])
+            want = logits if logits != "last" or start + len(chunk) == n else "none"
+            if model.batcher is not None:
+                rows = model.batcher.decode(self, chunk, want)
+            else:
+                job = Job(self, chunk, want)
+                model._run_jobs([job])
+                rows = job.rows
+        return rows
+
+    def truncate(self, n: int) -> None:
+        """Forget every cached position >= n."""
+        del self.tokens[n:]  # first: an interrupt between the two steps leaves the cache >= the list, never <
+        self.version += 1
+        model = self.model
+        if model._ctx is None:  # closed: no cache left to roll back
+            return
+        with model._ctx_lock:
+            ok = L.llama_memory_seq_rm(model._mem, self.id, n, -1)
+        if not ok:
+            raise ModelError(f"llama.cpp refused to roll the KV cache of {model.path.name} back to {n} tokens")
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the cache already holds."""
+        cached = np.asarray(self.tokens[:len(tokens)], dtype=np.int64)
+        differ = np.flatnonzero(cached != np.asarray(tokens[:len(cached)], dtype=np.int64))
+        return int(differ[0]) if differ.size else len(cached)
+
+    def sync(self, tokens: Sequence[int], *, logits: bool = False, cancel=None) -> tuple[int, np.ndarray | None]:
+        """Make the cache hold exactly `tokens`, reusing the longest common prefix already cached.
+
+        Returns (tokens reused, the last token's logit row when `logits`; that token is re-decoded if needed).
+        cancel: checked between chunks of PREFILL_CHUNK tokens; when it returns True, Cancelled is raised and
+        the cache holds the chunks done so far (a later sync reuses them).
+        """
+        keep = self.cached_prefix(tokens)
+        if logits:
+            keep = min(keep, len(tokens) - 1)
+        self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list
+        rest = tokens[keep:]
+        if cancel is not None:
+            # offloaded to a GPU, whole batches (a GPU wants them big, and gets through them fast)
+            chunk = PREFILL_CHUNK if self.model.cfg.n_gpu_layers == 0 else max(PREFILL_CHUNK, self.model.n_batch)
+            while len(rest) > chunk:
+                if cancel():
+                    raise Cancelled("cancelled during the prefill")
+                self.decode(rest[:chunk], logits="none")
+                rest = rest[chunk:]
+            if cancel():
+                raise Cancelled("cancelled during the prefill")
+        return keep, self.decode(rest, logits="last" if logits else "none")
+
+    def pos_max(self) -> int:
+        """llama.cpp's own view of the last cached position (-1 when empty)."""
+        self.model._live_ctx()
+        with self.model._ctx_lock:
+            return L.llama_memory_seq_pos_max(self.model._mem, self.id)
 
 
 @dataclass(frozen=True)

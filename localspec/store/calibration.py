@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from importlib.metadata import version
 from pathlib import Path
 
-from ..core.costs import Costs, cpu_name, measure, plan, system_info
+from ..core.costs import BATCH_SEQS, Costs, cpu_name, measure, measure_batch, plan, system_info
 from ..core.exact import Cell, describe, probe_depths, probe_exact
 from ..core.model import Model, ModelConfig, ModelError, default_threads, tiled_matmul_setting
 
@@ -41,7 +41,7 @@ def cache_key(target: Model, draft: Model | None) -> str:
         if m is None:
             return None
         measured = plan(m.n_ctx, m.n_batch)
-        return [*_ident(m.path, replace(m.cfg, n_ctx=16)), measured, m.flash_attn, m.n_threads]
+        return [*_ident(m.path, replace(m.cfg, n_ctx=16, n_seq=1)), measured, m.flash_attn, m.n_threads]
     return machine_key("costs", FORMAT, ident(target), ident(draft))
 
 
@@ -73,15 +73,22 @@ def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, forc
     stop: as measure() takes it."""
     path = cache_dir / f"{cache_key(target, draft)}.json"
     data = None if force else _read(path)
+    costs = None
     if data is not None:
-        try:
-            return Costs.from_dict(data)
-        except (KeyError, TypeError, ValueError):
-            pass
-    print(f"localspec: measuring speculation costs on this machine for {target.path.name} "
-          "(once; half a minute to a few minutes, by the CPU)", file=sys.stderr, flush=True)
-    costs = measure(target, draft, log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True), stop=stop)
-    _write(path, asdict(costs))
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            costs = Costs.from_dict(data)
+    log = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if costs is None:
+        print(f"localspec: measuring speculation costs on this machine for {target.path.name} "
+              "(once; half a minute to a few minutes, by the CPU)", file=sys.stderr, flush=True)
+        costs = measure(target, draft, log=log, stop=stop)
+        _write(path, asdict(costs))
+    wanted = [b for b in BATCH_SEQS if b < len(target.seqs)]
+    if wanted and max((b for b, _ in costs.batch or ()), default=0) < wanted[-1]:
+        print(f"localspec: measuring what {wanted[-1]} parallel requests cost in one decode (once)",
+              file=sys.stderr, flush=True)
+        costs = measure_batch(target, costs, log=log)
+        _write(path, asdict(costs))
     return costs
 
 

@@ -1,0 +1,198 @@
+"""Concurrent clients against `localspec serve` and against llama.cpp's own server, on one machine, in one run.
+
+    python scripts/bench_concurrency.py [--concurrency 1,2,4,8] [--max-tokens 64] [--pair NAME]
+        [--llama-server PATH] [--out results.json]
+
+Each system serves the pair's target (ours with its draft model), and `c` clients each send the shipped bench
+prompts (rendered once with the model's chat template, sent as /v1/completions text, so both servers read the
+same tokens) one after another until all are answered, streamed, at temperature 0:
+  queue      localspec serve --parallel 1 (one request at a time, the rest wait: what serve did before)
+  plain-N    localspec serve --parallel c --drafter none (batched plain decoding)
+  auto-N     localspec serve --parallel c --drafter auto (batched, auto drafting)
+  llama-N    llama-server -np c --kv-unified (the peer; same threads, flash attention off, batch sizes, context
+             per request; built by scripts/build_llama_server.sh from the llama.cpp that llama-cpp-python carries)
+Reported per system and concurrency: aggregate tokens/s (all output tokens / wall time), tokens/s per request
+(its tokens / its time), time to first token (mean and worst, and the worst against the same prompt sent
+alone), and the ratio to the queue. The ceiling: the aggregate that batched plain decoding can reach at most on
+this machine, c x T(1) / T_c(c) from the calibrated batch surface (localspec calibrate's costs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("server did not come up")
+
+
+def complete(port: int, prompt: str, max_tokens: int) -> dict:
+    """One streamed /v1/completions request: its times and tokens."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first, chunks, usage = None, 0, None
+    with urllib.request.urlopen(req, timeout=900) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if d.get("usage"):
+                usage = d["usage"]
+            if d.get("choices") and d["choices"][0].get("text"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"] if usage else chunks
+    return {"ttft": (first or end) - t0, "seconds": end - t0, "tokens": tokens}
+
+
+def run_clients(port: int, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    todo: queue.Queue = queue.Queue()
+    for i, p in enumerate(prompts):
+        todo.put((i, p))
+    out: dict[int, dict] = {}
+
+    def client() -> None:
+        while True:
+            try:
+                i, p = todo.get_nowait()
+            except queue.Empty:
+                return
+            out[i] = complete(port, p, max_tokens)
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    rows = [out[i] for i in range(len(prompts))]
+    return {"wall": wall, "tokens": sum(r["tokens"] for r in rows), "aggregate": sum(r["tokens"] for r in rows) / wall,
+            "per_request": statistics.mean(r["tokens"] / r["seconds"] for r in rows),
+            "ttft_mean": statistics.mean(r["ttft"] for r in rows), "ttft_max": max(r["ttft"] for r in rows),
+            "ttfts": [r["ttft"] for r in rows]}
+
+
+def serve(cmd: list[str], port: int, log: Path):
+    proc = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    wait_ready(port, proc)
+    return proc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--pair", default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--n-ctx", type=int, default=2048, help="context per request (both servers)")
+    ap.add_argument("--llama-server", default=None, help="the peer's binary (default: scripts/build_llama_server.sh's)")
+    ap.add_argument("--systems", default="queue,plain,auto,llama")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import localspec
+    from localspec.core.llama import default_threads
+    from localspec.store.download import resolve_pair
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    threads = args.threads or default_threads()
+    spec, target, draft = resolve_pair(args.pair)
+    prompts_file = ROOT / "localspec" / "apps" / "prompts.jsonl"
+    records = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
+    with localspec.load(pair=args.pair, n_ctx=args.n_ctx, n_threads=threads, parallel=max(levels)) as llm:
+        prompts = [llm.render_chat(r["messages"]) for r in records]
+        costs = llm.calibration()
+    systems = args.systems.split(",")
+    peer = args.llama_server
+    if "llama" in systems and peer is None:
+        peer = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_server.sh"), sys.executable],
+                              check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_concurrency.log"
+    print(f"{len(prompts)} prompts, {args.max_tokens} tokens each, {threads} threads, n_ctx {args.n_ctx} per "
+          f"request; server logs in {log}", file=sys.stderr)
+    ours = [sys.executable, "-m", "localspec", "serve", "--target", str(target), "--draft", str(draft),
+            "--n-ctx", str(args.n_ctx), "--threads", str(threads), "--flash-attn", "off", "--queue-size", "64"]
+    results: dict[str, dict[int, dict]] = {}
+
+    def measure(name: str, cmd: list[str], port: int, c: int) -> None:
+        proc = serve(cmd, port, log)
+        try:
+            complete(port, prompts[0], 8)  # warm-up
+            r = run_clients(port, prompts, c, args.max_tokens)
+        finally:
+            proc.terminate()
+            proc.wait()
+        results.setdefault(name, {})[c] = r
+        print(f"  {name:>6} c={c}: {r['aggregate']:.2f} tok/s in all, {r['per_request']:.2f} per request, "
+              f"TTFT mean {r['ttft_mean']:.2f} s max {r['ttft_max']:.2f} s", file=sys.stderr, flush=True)
+
+    for c in levels:
+        for system in systems:
+            port = free_port()
+            if system == "queue":
+                cmd = ours + ["--parallel", "1", "--drafter", "auto", "--port", str(port)]
+            elif system in ("plain", "auto"):
+                cmd = ours + ["--parallel", str(c), "--drafter", "none" if system == "plain" else "auto",
+                              "--port", str(port)]
+            else:
+                cmd = [peer, "-m", str(target), "-t", str(threads), "-tb", str(threads), "-c", str(args.n_ctx * c),
+                       "-np", str(c), "--kv-unified", "-fa", "off", "-b", "512", "-ub", "512", "--port", str(port),
+                       "--no-webui"]
+            measure(system, cmd, port, c)
+
+    alone = results.get("queue", {}).get(1)
+    print(f"\n{'system':>8} {'c':>3} {'tok/s all':>10} {'x queue':>8} {'tok/s each':>11} {'TTFT mean':>10} "
+          f"{'TTFT max':>9} {'max/alone':>10} {'ceiling':>8}")
+    for c in levels:
+        q = results.get("queue", {}).get(c)
+        ceiling = c * costs.verify_cost(1, 256) / costs.batch_cost(c, 256, c)
+        for system in systems:
+            r = results[system][c]
+            worst = max(t / a for t, a in zip(r["ttfts"], alone["ttfts"])) if alone else float("nan")
+            print(f"{system:>8} {c:>3} {r['aggregate']:>10.2f} {r['aggregate'] / q['aggregate'] if q else 0:>7.2f}x "
+                  f"{r['per_request']:>11.2f} {r['ttft_mean']:>9.2f}s {r['ttft_max']:>8.2f}s {worst:>9.1f}x "
+                  f"{ceiling:>7.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"levels": levels, "max_tokens": args.max_tokens, "threads": threads,
+                                              "results": results, "batch": costs.batch}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
