@@ -1,16 +1,23 @@
 """Concurrent requests share one llama_decode.
 
-Each request runs the one decoding loop (loop.speculate) in its own thread and its own sequence of each model's
-KV cache (model.Seq). A thread inside a round is a *member*. A member's decode waits until every member is
-waiting on one (of the target or of the draft model); then one of them runs each model's waiting decodes as
-one llama_decode and hands each its own logit rows. A member whose consumer is reading between rounds is not
-inside one, so nobody waits for it. `exclusive()` waits until no member is inside a round and keeps new ones
-out (closing the models, measuring their costs).
+Each request runs the one decoding loop (loop.speculate) in its own sequence of each model's KV cache
+(model.Seq, the same id in both models: its slot), read by its own thread. While a request holds its slot, the
+batcher expects a decode from it each round: a decode waits until every held slot has asked for one (of the
+target or of the draft model), then they run as one llama_decode per model and each gets its own logit rows.
+A request whose reader is away (between rounds, its consumer slow) is waited for a short while only (a quarter
+of the last decode), so it delays the others by little and joins again next round.
+
+Every joined decode runs on one thread of the batcher's own: llama.cpp's OpenMP build gives each thread that
+calls into it a team of worker threads that spin a while after each decode, and a team per request thread
+fought for a small machine's cores. `with batcher:` marks a round in progress; `exclusive()` waits until none
+is and keeps new ones out (closing the models, measuring their costs).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,30 +35,51 @@ class Job:
 
 
 class Batcher:
+    LINGER = (0.001, 0.02)  # seconds a decode waits at most for a request that is away: a quarter of the last
+    # decode, within these bounds
+
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
-        self._members: dict[int, int] = {}  # thread id -> how many rounds deep
+        self._held: set[int] = set()  # slots (sequence ids) of the requests in progress
+        self._thread_of: dict[int, int] = {}  # slot -> the thread that asked its latest decode
+        self._rounds: dict[int, int] = {}  # thread id -> rounds in progress (exclusive waits for none)
         self._jobs: list[Job] = []  # waiting, in arrival order
+        self._since = 0.0  # when the oldest waiting job arrived
+        self._last_s = 4 * self.LINGER[1]  # how long the latest decode took
         self._running = False
         self._exclusive: int | None = None  # the thread holding exclusive()
         self._width: dict[object, tuple[int, int, int]] = {}  # seq -> (its tokens, all tokens, sequences) of its
         # latest decode with others
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="localspec-decode")
+
+    # -- who takes part --
+    @contextlib.contextmanager
+    def holding(self, slot: int):
+        """Around a request's life in its slot: each round waits for its decode."""
+        with self._cond:
+            self._held.add(slot)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held.discard(slot)
+                self._thread_of.pop(slot, None)
+                self._cond.notify_all()  # the others may all be waiting now
 
     def __enter__(self) -> None:
         """`with batcher:` around one round of a request's loop (what speculate calls its lock)."""
         me = threading.get_ident()
         with self._cond:
-            self._cond.wait_for(lambda: self._exclusive in (None, me) or me in self._members)
-            self._members[me] = self._members.get(me, 0) + 1
+            self._cond.wait_for(lambda: self._exclusive in (None, me) or me in self._rounds)
+            self._rounds[me] = self._rounds.get(me, 0) + 1
 
     def __exit__(self, *exc) -> None:
         me = threading.get_ident()
         with self._cond:
-            if self._members[me] == 1:
-                del self._members[me]
-                self._cond.notify_all()  # the others may all be waiting now
-            else:
-                self._members[me] -= 1
+            self._rounds[me] -= 1
+            if not self._rounds[me]:
+                del self._rounds[me]
+                self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self):
@@ -60,7 +88,7 @@ class Batcher:
         with self._cond:
             self._cond.wait_for(lambda: self._exclusive is None)
             self._exclusive = me
-            self._cond.wait_for(lambda: not (self._members.keys() - {me}) and not self._running)
+            self._cond.wait_for(lambda: not (self._rounds.keys() - {me}) and not self._running)
         try:
             yield
         finally:
@@ -74,42 +102,62 @@ class Batcher:
         own, total, n = self._width.get(seq, (0, 0, 1))
         return total - own, max(n, 1)
 
+    # -- decoding --
     def decode(self, seq, tokens: list[int], logits: str) -> np.ndarray | None:
-        """Decode `tokens` in seq (model.Seq._run_jobs does the work) together with whatever the other
-        members ask at the same time; seq's logit rows (a copy)."""
+        """Decode `tokens` in seq (its model's _run_jobs does the work) together with what the other requests
+        ask at the same time; seq's logit rows (a copy)."""
         job = Job(seq, tokens, logits)
         with self._cond:
+            if not self._jobs:
+                self._since = time.perf_counter()
             self._jobs.append(job)
+            self._thread_of[seq.id] = job.thread
             self._cond.notify_all()
             while not job.done:
-                if self._running or not self._ready():
-                    self._cond.wait()
+                wait = None if self._running else self._wait()
+                if wait is None or wait > 0:
+                    self._cond.wait(wait)
                     continue
                 groups, self._running = self._take(), True
                 self._cond.release()
                 try:
-                    for model, jobs in groups.items():
-                        try:
-                            model._run_jobs(jobs)
-                        except BaseException as e:  # noqa: BLE001 - each waiting thread raises it as its own
-                            for j in jobs:
-                                j.error = e
-                        self._note(jobs)
+                    t = time.perf_counter()
+                    self._decoder.submit(self._run, groups).result()
+                    self._last_s = time.perf_counter() - t
                 finally:
                     self._cond.acquire()
                     self._running = False
                     for jobs in groups.values():
                         for j in jobs:
                             j.done = True
+                    if self._jobs:
+                        self._since = time.perf_counter()
                     self._cond.notify_all()
         if job.error is not None:
             raise job.error
         return job.rows
 
-    def _ready(self) -> bool:
-        """Every member waits on a decode (a thread that is not a member waits alone)."""
+    def _wait(self) -> float:
+        """Seconds to wait for more requests' decodes before running the waiting ones (0: run now)."""
+        asked = {j.seq.id for j in self._jobs}
         waiting = {j.thread for j in self._jobs}
-        return bool(self._jobs) and not (self._members.keys() - waiting)
+        # a request read by a thread that waits here for another one's decode cannot ask (one thread reading
+        # several streams in turn): nobody waits for it
+        if self._exclusive is not None or all(self._thread_of.get(s) in waiting for s in self._held - asked):
+            return 0.0
+        linger = min(max(self._last_s / 4, self.LINGER[0]), self.LINGER[1])
+        return max(self._since + linger - time.perf_counter(), 0.0)
+
+    def _run(self, groups: dict[object, list[Job]]) -> None:
+        for model, jobs in groups.items():
+            try:
+                model._run_jobs(jobs)
+                total = sum(len(j.tokens) for j in jobs)
+                for j in jobs:
+                    self._width[j.seq] = (len(j.tokens), total, len(jobs))
+            except BaseException as e:  # noqa: BLE001 - each waiting thread raises it as its own
+                for j in jobs:
+                    j.error = e
 
     def _take(self) -> dict[object, list[Job]]:
         """The waiting jobs in arrival order, by model, as many as one llama_decode of each holds."""
@@ -118,15 +166,10 @@ class Batcher:
         rest = []
         for j in self._jobs:
             m = j.seq.model
-            if used.get(m, 0) + len(j.tokens) <= m.n_batch or m not in used:
+            if m not in used or used[m] + len(j.tokens) <= m.n_batch:
                 groups.setdefault(m, []).append(j)
                 used[m] = used.get(m, 0) + len(j.tokens)
             else:
                 rest.append(j)
         self._jobs = rest
         return groups
-
-    def _note(self, jobs: list[Job]) -> None:
-        total = sum(len(j.tokens) for j in jobs)
-        for j in jobs:
-            self._width[j.seq] = (len(j.tokens), total, len(jobs))

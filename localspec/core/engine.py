@@ -293,7 +293,8 @@ class Engine:
             self._free.remove(slot)
             self._held[slot] = me
         try:
-            yield from run(self.target.seqs[slot], self.draft.seqs[slot] if self.draft is not None else None)
+            with self._batcher.holding(slot):
+                yield from run(self.target.seqs[slot], self.draft.seqs[slot] if self.draft is not None else None)
         finally:
             with self._slots:
                 del self._held[slot]

@@ -41,7 +41,7 @@ def cache_key(target: Model, draft: Model | None) -> str:
         if m is None:
             return None
         measured = plan(m.n_ctx, m.n_batch)
-        return [*_ident(m.path, replace(m.cfg, n_ctx=16, n_seq=1)), measured, m.flash_attn, m.n_threads]
+        return [*_ident(m.path, replace(m.cfg, n_ctx=16)), measured, m.flash_attn, m.n_threads]
     return machine_key("costs", FORMAT, ident(target), ident(draft))
 
 
