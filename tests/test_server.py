@@ -242,6 +242,7 @@ def test_second_turn_prefills_only_the_new_tokens(server, smol_engine):
 
 
 # ---- one engine, many clients ----
+@pytest.mark.slow  # 27 s: in the slow tier, which CI runs, to keep the default run within 8 minutes
 def test_identical_requests_get_identical_text_under_auto_in_fast_mode(smol_path, tmp_path):
     """Hardening case 14: auto's state from the first request changed the second's draft lengths, batch
     shapes changed the numerics and a near-tie flipped: the same request, streamed or not, gave other text."""
@@ -393,6 +394,7 @@ def long_prefill_server(smol_path, tmp_path) -> Server:
     return Server(smol_path, tmp_path / "server.log", "--n-ctx", "4096", "--threads", "1", fast=True)
 
 
+@pytest.mark.slow  # 24 s: in the slow tier, which CI runs, to keep the default run within 8 minutes
 def test_a_client_that_leaves_during_a_long_prefill_stops_it(smol_path, tmp_path, smol_engine):
     s = long_prefill_server(smol_path, tmp_path)
     try:
@@ -661,7 +663,7 @@ def test_an_incomplete_upload_logs_one_line(server):
 
 def test_a_slow_body_gets_408():
     """In process, with a short timeout (serve's is 30 s): a body that stops arriving holds nothing."""
-    app = create_app(SimpleNamespace(name="stub", defaults={}), body_timeout_s=0.2)
+    app = create_app(SimpleNamespace(name="stub", defaults={}, parallel=1), body_timeout_s=0.2)
     parts, sent = [b'{"messages": '], []
 
     async def receive():
