@@ -256,3 +256,13 @@ def test_the_batcher_waits_for_every_member_in_a_round_and_no_one_else():
         assert b.decode(seqs[1], [5], "last")[0, 0] == 1.0
         assert time.perf_counter() - t < 0.5
     assert model.decodes[-1] == [1]
+
+
+def test_close_lets_the_decode_thread_go(smol_path):
+    llm = localspec.load(target=smol_path, n_ctx=256, parallel=2)
+    assert llm.generate("1, 2, 3,", max_tokens=4, temperature=0, drafter="none").tokens
+    decoder = llm._batcher._decoder
+    llm.close()
+    assert decoder._shutdown
+    with pytest.raises(ModelError, match="closed"):
+        llm.generate("1, 2, 3,", max_tokens=4)

@@ -96,6 +96,10 @@ class Batcher:
                 self._exclusive = None
                 self._cond.notify_all()
 
+    def close(self) -> None:
+        """Let the decode thread go (once the models are closed: nothing decodes any more)."""
+        self._decoder.shutdown(wait=False)
+
     def others(self, seq) -> tuple[int, int]:
         """(tokens of the other sequences, sequences in all) in seq's latest decode: what its next one will
         likely share a llama_decode with."""

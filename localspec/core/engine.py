@@ -319,6 +319,8 @@ class Engine:
                 for m in (self.target, self.draft):
                     if m is not None:
                         m.close()
+            if self._batcher is not None:
+                self._batcher.close()
         finally:
             if self.history is not None:  # after the round in progress: its output is recorded by then
                 self.history.save()
