@@ -114,6 +114,7 @@ def test_a_requests_cache_is_its_own(smol_path):
         m.close()
 
 
+@pytest.mark.slow  # 15 s: in the slow tier, which CI runs, to keep the default run within 8 minutes
 def test_sampled_output_beside_three_other_requests_has_the_targets_distribution(smol_path):
     """Rejection sampling for a request decoded beside three others: its first token, drafted by a draft whose q
     differs from the target's p (the shadowed target), is distributed as p (chi-square)."""

@@ -318,6 +318,7 @@ def parallel_server(smol_path, tmp_path_factory):
     s.stop()
 
 
+@pytest.mark.slow  # 5-15 s: in the slow tier, which CI runs, to keep the default run within 8 minutes
 def test_four_streamed_requests_generate_together_and_a_leaving_one_frees_its_slot(parallel_server, smol_engine):
     """Four OpenAI clients streaming at once each get their own text; /health counts them; a fifth waits, a sixth
     is refused 503; the fifth starts once one of the four leaves, while the other three go on."""
