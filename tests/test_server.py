@@ -66,6 +66,13 @@ class Server:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=5).json()
 
+    def wait_queued(self, timeout: float = 10) -> None:
+        """Until a request waits in the queue."""
+        deadline = time.monotonic() + timeout
+        while self.health()["queued"] < 1:
+            assert time.monotonic() < deadline, "no request was queued"
+            time.sleep(0.05)
+
     def wait_idle(self, timeout: float) -> float:
         t0 = time.monotonic()
         while self.health()["busy"]:
@@ -296,10 +303,7 @@ def test_full_queue_answers_503_with_retry_after(small_server, smol_engine):
     t = threading.Thread(target=lambda: waiting.update(r=client.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)))
     t.start()
-    deadline = time.monotonic() + 10
-    while small_server.health()["queued"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    small_server.wait_queued()
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
     assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
@@ -336,10 +340,7 @@ def test_four_streamed_requests_generate_together_and_a_leaving_one_frees_its_sl
     fifth = threading.Thread(target=lambda: waiting.update(r=client.completions.create(
         model=MODEL, prompt="7, 8, 9,", max_tokens=8)))
     fifth.start()
-    deadline = time.monotonic() + 10
-    while parallel_server.health()["queued"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    parallel_server.wait_queued()
     with pytest.raises(openai.APIStatusError) as e:
         client.completions.create(model=MODEL, prompt="1,", max_tokens=8)
     assert e.value.status_code == 503
