@@ -158,7 +158,7 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     if verbose:
         print(f"localspec: estimated memory {est}", file=sys.stderr)
     if memory_check:
-        memory.check_fits(est, memory.available_memory())
+        memory.check_fits(est, memory.available_memory(), parallel)
     if exact:
         from .core.model import exact_matmuls
 

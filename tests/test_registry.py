@@ -770,6 +770,13 @@ def test_check_fits_says_what_to_lower(smol_path):
     assert "--no-memory-check" in msg
     fit = int(msg.split("--n-ctx ")[1].split()[0])
     assert fit < 8192 and memory.estimate(smol_path, smol_path, fit).total <= est.total - 100 * MiB
+    # four parallel requests of 2048 share the same 8192 cells: the hint is per request, and says --parallel
+    with pytest.raises(memory.MemoryCheckError) as e:
+        memory.check_fits(est, est.total - 100 * MiB, parallel=4)
+    msg = str(e.value)
+    per = int(msg.split("--n-ctx ")[1].split()[0])
+    assert per < 2048 and "would fit with --parallel 4)" in msg and "--parallel below 4" in msg
+    assert memory.estimate(smol_path, smol_path, 4 * per).total <= est.total - 100 * MiB
 
 
 def test_available_memory_is_known_on_linux():

@@ -334,18 +334,22 @@ def _largest_fitting_ctx(est: Estimate, available: int) -> int | None:
     return None
 
 
-def check_fits(estimate: Estimate, available: int | None) -> None:
+def check_fits(estimate: Estimate, available: int | None, parallel: int = 1) -> None:
     """Raise MemoryCheckError, saying what to lower, when the estimate exceeds available memory.
 
     available=None (unknown platform) checks nothing. The estimate is a floor (see the module docstring), so
-    exceeding what the OS reports available means the load clearly cannot fit.
+    exceeding what the OS reports available means the load clearly cannot fit. parallel: the requests the
+    estimate's cells are shared by (each gets n_ctx of them): the n_ctx hint is per request.
     """
     if available is None or estimate.total <= available:
         return
     hints = []
-    fit = _largest_fitting_ctx(estimate, available)
+    fit = (_largest_fitting_ctx(estimate, available) or 0) // parallel // CTX_PAD * CTX_PAD
     if fit:
-        hints.append(f"lower n_ctx (--n-ctx {fit} would fit)")
+        hints.append(f"lower n_ctx (--n-ctx {fit} would fit" + (f" with --parallel {parallel})" if parallel > 1
+                                                                  else ")"))
+    if parallel > 1:
+        hints.append(f"decode fewer requests together (--parallel below {parallel}: each has its own n_ctx cells)")
     saved = estimate.kv - sum(m.cells * m.kv_elements * KV_BYTES["q8_0"] for m in estimate.models)
     if saved > 0:
         hints.append(f"use a q8_0 KV cache (--type-k q8_0 --type-v q8_0 saves about {gib(saved)})")
