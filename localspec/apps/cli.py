@@ -244,9 +244,17 @@ def serve(host, port, api_key, cors, parallel, queue_size, allow_hosts, **kw):
                      allow_hosts=allow_hosts, defaults=defaults, socks=socks)
 
 
+def _no_server_max_tokens(ctx, param, value):
+    if value is not None:
+        raise click.UsageError("serve has no --max-tokens: each request sets its own max_tokens, and without one "
+                               "gets OpenAI's default (16 tokens for /v1/completions; until the context is full "
+                               "for /v1/chat/completions)", ctx)
+
+
 # generate's --max-tokens 256 is not OpenAI's default (16 for /v1/completions, the context for chat): requests
-# that want another length say so
-serve.params = [p for p in serve.params if p.name != "max_tokens"]
+# that want another length say so; the option is still recognized, to say that
+serve.params = [p for p in serve.params if p.name != "max_tokens"] + [
+    click.Option(["--max-tokens"], hidden=True, expose_value=False, callback=_no_server_max_tokens)]
 
 
 @cli.command()
