@@ -68,6 +68,7 @@ def test_peer_settings_follow_a_plain_cpu_target():
     assert kw["n_ubatch"] == 512 and fields == {}             # weight repacking stays on, as the engine's
 
 
+@pytest.mark.slow  # 9-10 s: in the slow tier, which CI runs, to keep the default run within 8 minutes
 def test_a_prompt_past_512_tokens_does_not_crash_the_peer(fast_engine):
     # llama-cpp-python 0.3.36 keeps a draft model's logits in 512 rows unless logits_all: it used to raise
     # ValueError: could not broadcast ... as soon as the prompt passed 512 tokens.

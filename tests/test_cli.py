@@ -227,13 +227,3 @@ def test_generate_with_a_prediction_file(smol_path, tmp_path):
     st = out["stats"]
     assert f"(prediction {st['accepted_prediction']}/{st['drafted_prediction']})" in r.stderr, r.stderr
 
-
-def test_serve_max_tokens_says_each_request_sets_its_own():
-    """`serve --max-tokens` was refused as 'No such option' (generate has it); now the refusal says why."""
-    from click.testing import CliRunner
-
-    from localspec.apps.cli import cli
-
-    r = CliRunner().invoke(cli, ["serve", "--max-tokens", "64"])
-    assert r.exit_code == 2
-    assert "each request sets its own max_tokens" in r.output and "/v1/completions" in r.output

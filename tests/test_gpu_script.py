@@ -52,6 +52,7 @@ def test_description_is_the_real_file(desc, role, blocks, n_embd):
     assert model["data_offset"] + data == model["size"]
 
 
+@pytest.mark.slow  # 8-10 s (gguf's reader over a 151k-token vocabulary): in the slow tier, which CI runs
 def test_written_file_has_the_described_metadata_and_tensors(desc, small):
     """Read back by describe.py (gguf's reader): every key with its type and value, every tensor's name, shape
     and type, in order, as described; only block_count and the blocks beyond the first differ."""

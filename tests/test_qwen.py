@@ -103,6 +103,7 @@ def test_sampled_generation_runs_and_counts(exact_pair):
     assert s.accepted_at[0] >= s.accepted_at[-1]
 
 
+@SLOW  # 8-15 s (a fresh process loads the pair): the CLI is checked on SmolLM2 in the default run (test_cli)
 def test_cli_end_to_end_with_the_pair(qwen_paths):
     r = subprocess.run([sys.executable, "-m", "localspec", "generate", "--target", str(qwen_paths[0]),
                         "--draft", str(qwen_paths[1]), "--chat", "Write a Python one-liner that reverses a list.",
