@@ -226,4 +226,3 @@ def test_generate_with_a_prediction_file(smol_path, tmp_path):
                   "--max-tokens", "16", "--drafter", "ngram", "--prediction", tmp_path / "pred.txt")
     st = out["stats"]
     assert f"(prediction {st['accepted_prediction']}/{st['drafted_prediction']})" in r.stderr, r.stderr
-

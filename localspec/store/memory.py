@@ -346,8 +346,8 @@ def check_fits(estimate: Estimate, available: int | None, parallel: int = 1) -> 
     hints = []
     fit = (_largest_fitting_ctx(estimate, available) or 0) // parallel // CTX_PAD * CTX_PAD
     if fit:
-        hints.append(f"lower n_ctx (--n-ctx {fit} would fit" + (f" with --parallel {parallel})" if parallel > 1
-                                                                  else ")"))
+        each = f" with --parallel {parallel}" if parallel > 1 else ""
+        hints.append(f"lower n_ctx (--n-ctx {fit} would fit{each})")
     if parallel > 1:
         hints.append(f"decode fewer requests together (--parallel below {parallel}: each has its own n_ctx cells)")
     saved = estimate.kv - sum(m.cells * m.kv_elements * KV_BYTES["q8_0"] for m in estimate.models)
