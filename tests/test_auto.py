@@ -6,7 +6,7 @@ import pytest
 
 from localspec.core.costs import Costs, measure, plan
 from localspec.store.calibration import load_or_measure
-from localspec.core.auto import NEWLINE, PUNCT, WORD, AutoDrafter, KindOdds, token_kinds
+from localspec.core.auto import CAP, NEWLINE, PUNCT, WORD, AutoDrafter, KindOdds, token_kinds
 from localspec.core.drafters import Draft, NgramDrafter
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
@@ -21,6 +21,9 @@ def costs(verify, draft, sample_row=0.0):
 CPU = costs(np.interp(SIZES, [1, 2, 4, 6, 8, 16, 32], [29, 38, 63, 90, 106, 119, 211]) / 1e3, 0.016)
 # The other kind of CPU of the same machine kind (MODELS.md): decoding slower, verifying 5 tokens ~2 decodes.
 INTEL = costs(np.interp(SIZES, [1, 2, 3, 5, 8, 17, 33], [68, 100, 130, 141, 208, 308, 493]) / 1e3, 0.0315)
+# This host (a 2-vCPU AMD EPYC Zen 4, localspec's calibration): each token of a verify costs most of a decode.
+ZEN4 = costs(np.array([37.2, 65.8, 98.5, 124.4, 150.8, 175.8, 271.6, 326.5, 326.5, 375.6, 375.6, 484.7, 552.2]) / 1e3,
+             0.0253)
 # Verification that costs n decodes for n tokens: speculation can never pay.
 LINEAR = costs([0.029 * n for n in SIZES], 0.016)
 # A GPU: a 33-token verify costs about one decode, and the draft is cheap.
@@ -81,6 +84,15 @@ def test_long_ngram_drafts_when_acceptance_is_high():
     d = confident(auto(CPU)).propose(REPEATING, 16)
     assert len(d.tokens) >= 12
     assert d.tokens == REPEATING[-80:-80 + len(d.tokens)]  # what followed the previous occurrence
+
+
+def test_a_copy_is_never_priced_surer_than_copy_runs_go_on():
+    """However well the guesses did, each next token is priced at most at CAP (copy runs end): where a verify
+    token costs most of a decode, a perfect record no longer buys a 16-token bet; where it is cheap, it does."""
+    a = confident(auto(ZEN4))
+    assert all((s.rates(16) <= CAP[origin]).all() for (_, _, origin), s in a.ngram_stats.items())
+    assert 1 <= len(a.propose(REPEATING, 16).tokens) <= 5
+    assert len(confident(auto(INTEL)).propose(REPEATING, 16).tokens) >= 12
 
 
 def test_learns_from_what_actually_follows_even_when_not_drafting():
