@@ -267,3 +267,29 @@ def test_close_lets_the_decode_thread_go(smol_path):
     assert decoder._shutdown
     with pytest.raises(ModelError, match="closed"):
         llm.generate("1, 2, 3,", max_tokens=4)
+
+
+def test_prompts_are_prefilled_one_at_a_time_the_shortest_first():
+    """Requests that arrive together get their first tokens in turn (a short prompt soon), not all at the end:
+    each decode holds one prefill chunk per model, the shortest prefill's, beside the other requests' rounds;
+    a prefill passed over counts as AGING tokens shorter each time, so a long one is not put off for ever."""
+    from localspec.core.batch import Job
+
+    model, b = _Recorder(), Batcher()
+    long, short, running, other = (_Seq(i, model) for i in range(4))
+    b._jobs = [Job(long, [0] * 32, "none", prefill=600), Job(short, [0] * 32, "none", prefill=100),
+               Job(running, [1, 2, 3], "all")]
+    assert [j.seq for j in b._take()[model]] == [short, running]
+    assert [j.seq for j in b._jobs] == [long]
+    # new short prefills keep coming: the long one waits, then runs once it has waited its length in chunks
+    turns = []
+    for _ in range(8):
+        b._jobs.append(Job(other, [0] * 32, "none", prefill=64))
+        turns.append([j.seq for j in b._take()[model]])
+        b._jobs = [j for j in b._jobs if j.seq is long]
+    assert turns.index([long]) == 4  # 600 - 5 x 128 < 64: after five short ones
+    assert all(t == [other] for i, t in enumerate(turns) if i != 4)
+    # the other models' jobs are taken beside (one prefill per model)
+    draft = _Recorder()
+    b._jobs = [Job(_Seq(0, draft), [0] * 32, "none", prefill=64), Job(short, [0] * 32, "none", prefill=36)]
+    assert {m: len(js) for m, js in b._take().items()} == {draft: 1, model: 1}

@@ -7,6 +7,11 @@ target or of the draft model), then they run as one llama_decode per model and e
 A request whose reader is away (between rounds, its consumer slow) is waited for a short while only (a quarter
 of the last decode), so it delays the others by little and joins again next round.
 
+Prompts are prefilled one at a time per model, the shortest first (one chunk per decode, beside the other
+requests' rounds): requests that arrive together then see their first tokens in turn, a short one soon, instead
+of all at the end of every prefill. A prefill passed over counts as one chunk shorter each time, so a long
+prompt is not put off for ever by short ones.
+
 Every joined decode runs on one thread of the batcher's own: llama.cpp's OpenMP build gives each thread that
 calls into it a team of worker threads that spin a while after each decode, and a team per request thread
 fought for a small machine's cores. `with batcher:` marks a round in progress; `exclusive()` waits until none
@@ -28,6 +33,7 @@ class Job:
     seq: object  # model.Seq
     tokens: list[int]
     logits: str  # "none", "last" or "all"
+    prefill: int = 0  # a prompt's prefill: its tokens left, these included (0: not a prefill)
     thread: int = field(default_factory=threading.get_ident)
     rows: np.ndarray | None = None
     error: BaseException | None = None
@@ -37,6 +43,7 @@ class Job:
 class Batcher:
     LINGER = (0.001, 0.02)  # seconds a decode waits at most for a request that is away: a quarter of the last
     # decode, within these bounds
+    AGING = 128  # tokens a waiting prefill counts as shorter each time another is run before it
 
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
@@ -50,6 +57,7 @@ class Batcher:
         self._exclusive: int | None = None  # the thread holding exclusive()
         self._width: dict[object, tuple[int, int, int]] = {}  # seq -> (its tokens, all tokens, sequences) of its
         # latest decode with others
+        self._passed: dict[object, int] = {}  # seq -> decodes its prefill has been passed over in since it ran
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="localspec-decode")
 
     # -- who takes part --
@@ -64,6 +72,8 @@ class Batcher:
             with self._cond:
                 self._held.discard(slot)
                 self._thread_of.pop(slot, None)
+                for seq in [s for s in self._passed if s.id == slot]:  # a prefill left unfinished (cancelled)
+                    del self._passed[seq]
                 self._cond.notify_all()  # the others may all be waiting now
 
     def __enter__(self) -> None:
@@ -107,10 +117,10 @@ class Batcher:
         return total - own, max(n, 1)
 
     # -- decoding --
-    def decode(self, seq, tokens: list[int], logits: str) -> np.ndarray | None:
+    def decode(self, seq, tokens: list[int], logits: str, prefill: int = 0) -> np.ndarray | None:
         """Decode `tokens` in seq (its model's _run_jobs does the work) together with what the other requests
-        ask at the same time; seq's logit rows (a copy)."""
-        job = Job(seq, tokens, logits)
+        ask at the same time; seq's logit rows (a copy). prefill: see Job."""
+        job = Job(seq, tokens, logits, prefill)
         with self._cond:
             if not self._jobs:
                 self._since = time.perf_counter()
@@ -164,16 +174,32 @@ class Batcher:
                     j.error = e
 
     def _take(self) -> dict[object, list[Job]]:
-        """The waiting jobs in arrival order, by model, as many as one llama_decode of each holds."""
-        groups: dict[object, list[Job]] = {}
-        used: dict[object, int] = {}
+        """The jobs of the next llama_decode of each model: its shortest waiting prefill (by tokens left, less
+        AGING for each time it was passed over) first, then the other requests' rounds in arrival order, as
+        many as n_batch holds. The other prefills wait."""
+        first: dict[object, Job] = {}
+        for j in self._jobs:
+            m = j.seq.model
+            if j.prefill and (m not in first or self._due(j) < self._due(first[m])):
+                first[m] = j
+        groups: dict[object, list[Job]] = {m: [j] for m, j in first.items()}
+        used: dict[object, int] = {m: len(j.tokens) for m, j in first.items()}
         rest = []
         for j in self._jobs:
             m = j.seq.model
-            if m not in used or used[m] + len(j.tokens) <= m.n_batch:
+            if first.get(m) is j:
+                continue
+            if not j.prefill and (m not in used or used[m] + len(j.tokens) <= m.n_batch):
                 groups.setdefault(m, []).append(j)
                 used[m] = used.get(m, 0) + len(j.tokens)
             else:
+                if j.prefill:
+                    self._passed[j.seq] = self._passed.get(j.seq, 0) + 1
                 rest.append(j)
+        for j in first.values():
+            self._passed.pop(j.seq, None)
         self._jobs = rest
         return groups
+
+    def _due(self, job: Job) -> int:
+        return job.prefill - self.AGING * self._passed.get(job.seq, 0)

@@ -311,10 +311,12 @@ class Seq:
     def __getattr__(self, name: str):
         return getattr(self.model, name)
 
-    def decode(self, tokens: Sequence[int], *, logits: str = "last") -> np.ndarray | None:
+    def decode(self, tokens: Sequence[int], *, logits: str = "last", prefill: int = 0) -> np.ndarray | None:
         """Append tokens to the cache in one llama_decode per n_batch chunk.
 
         logits: "none", "last" (one row) or "all" (one row per token; needs len(tokens) <= n_batch).
+        prefill: where these tokens are part of a prompt's prefill, how many of its tokens are left, these
+        included (the batcher runs the shortest prefill first; 0: not a prefill).
         Returns a (rows, n_vocab) float32 array: alone, a view of llama.cpp's buffer, valid until the next decode.
         """
         from .batch import Job
@@ -332,7 +334,7 @@ class Seq:
             chunk = list(tokens[start:start + model.n_batch])
             want = logits if logits != "last" or start + len(chunk) == n else "none"
             if model.batcher is not None:
-                rows = model.batcher.decode(self, chunk, want)
+                rows = model.batcher.decode(self, chunk, want, prefill=max(prefill - start, 0))
             else:
                 job = Job(self, chunk, want)
                 model._run_jobs([job])
@@ -375,11 +377,11 @@ class Seq:
             while len(rest) > chunk:
                 if cancel():
                     raise Cancelled("cancelled during the prefill")
-                self.decode(rest[:chunk], logits="none")
+                self.decode(rest[:chunk], logits="none", prefill=len(rest))
                 rest = rest[chunk:]
             if cancel():
                 raise Cancelled("cancelled during the prefill")
-        return keep, self.decode(rest, logits="last" if logits else "none")
+        return keep, self.decode(rest, logits="last" if logits else "none", prefill=len(rest))
 
     def pos_max(self) -> int:
         """llama.cpp's own view of the last cached position (-1 when empty)."""
