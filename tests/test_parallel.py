@@ -293,3 +293,17 @@ def test_prompts_are_prefilled_one_at_a_time_the_shortest_first():
     draft = _Recorder()
     b._jobs = [Job(_Seq(0, draft), [0] * 32, "none", prefill=64), Job(short, [0] * 32, "none", prefill=36)]
     assert {m: len(js) for m, js in b._take().items()} == {draft: 1, model: 1}
+
+
+def test_a_prefill_chunk_does_not_make_a_round_look_dear():
+    """auto prices a round as its share of the decode it shares (Shared): a prompt's 128-token chunk beside one
+    request's round had made plain decoding look 65 tokens dear to it, and a 16-token draft nearly free."""
+    from localspec.core.batch import Job
+
+    model, b = _Recorder(), Batcher()
+    arriving, answering, other = (_Seq(i, model) for i in range(3))
+    b._run({model: [Job(arriving, [0] * 32, "none", prefill=200), Job(answering, [1], "all")]})
+    assert b.others(answering) == (0, 1)  # priced as alone
+    b._run({model: [Job(arriving, [0] * 32, "none", prefill=168), Job(answering, [1, 2], "all"),
+                    Job(other, [3], "all")]})
+    assert b.others(answering) == (1, 2) and b.others(other) == (2, 2)

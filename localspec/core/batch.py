@@ -111,8 +111,9 @@ class Batcher:
         self._decoder.shutdown(wait=False)
 
     def others(self, seq) -> tuple[int, int]:
-        """(tokens of the other sequences, sequences in all) in seq's latest decode: what its next one will
-        likely share a llama_decode with."""
+        """(tokens of the other sequences' rounds, sequences in all) in seq's latest decode: what its next one
+        will likely share a llama_decode with. Prefill chunks are left out: priced as a share of the round, a
+        chunk made plain decoding look dear and a long draft cheap beside it."""
         own, total, n = self._width.get(seq, (0, 0, 1))
         return total - own, max(n, 1)
 
@@ -166,9 +167,11 @@ class Batcher:
         for model, jobs in groups.items():
             try:
                 model._run_jobs(jobs)
-                total = sum(len(j.tokens) for j in jobs)
-                for j in jobs:
-                    self._width[j.seq] = (len(j.tokens), total, len(jobs))
+                # a prompt's prefill is work done whatever is drafted: it does not make a round look dear
+                rounds = [j for j in jobs if not j.prefill]
+                total = sum(len(j.tokens) for j in rounds)
+                for j in rounds:
+                    self._width[j.seq] = (len(j.tokens), total, len(rounds))
             except BaseException as e:  # noqa: BLE001 - each waiting thread raises it as its own
                 for j in jobs:
                     j.error = e
