@@ -6,6 +6,7 @@ goes (AcceptanceStats, KindOdds), starting from priors measured on recorded outp
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Sequence
 
@@ -68,11 +69,16 @@ def token_kinds(pieces: Sequence[bytes]) -> np.ndarray:
     return kinds
 
 
+_KINDS_LOCK = threading.Lock()
+
+
 def vocab_kinds(model) -> np.ndarray:
-    """token_kinds of a model's vocabulary: built on first use, kept on the model."""
-    kinds = getattr(model, "_token_kinds", None)
-    if kinds is None:
-        kinds = model._token_kinds = token_kinds(model.pieces())
+    """token_kinds of a model's vocabulary: built on first use (once: requests that arrive together wait for
+    the one building it, rather than each building it beside the others), kept on the model."""
+    with _KINDS_LOCK:
+        kinds = getattr(model, "_token_kinds", None)
+        if kinds is None:
+            kinds = model._token_kinds = token_kinds(model.pieces())
     return kinds
 
 
