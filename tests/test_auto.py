@@ -421,6 +421,37 @@ def test_guesses_are_also_judged_by_the_kind_of_token_they_hold():
     assert len(drafts[False]) < len(drafts[True])  # by position alone the record's end is unknown: cut early
 
 
+def test_token_kinds_are_built_once_by_requests_that_arrive_together():
+    """Four requests arriving at a server at once each built the vocabulary's kinds beside the others (3-4 s
+    with no decode running on a 2-core CPU): the others now wait for the one building them."""
+    import threading
+    import time
+
+    from localspec.core.auto import vocab_kinds
+
+    class Vocab:
+        reads = 0
+
+        def pieces(self):
+            Vocab.reads += 1
+            time.sleep(0.05)
+            return [b"a", b" ", b"\n"]
+
+    model, gate = Vocab(), threading.Barrier(4)
+    got = []
+
+    def request():
+        gate.wait()
+        got.append(vocab_kinds(model))
+
+    threads = [threading.Thread(target=request) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Vocab.reads == 1 and all(k is got[0] for k in got) and got[0].tolist() == [WORD, PUNCT, NEWLINE]
+
+
 def test_token_kinds_from_bytes():
     pieces = [b"hello", b" 42", b", ", b'"}', b"\n", b"  ", b"\xe4\xb8", "é".encode(), b""]
     assert token_kinds(pieces).tolist() == [WORD, WORD, PUNCT, PUNCT, NEWLINE, PUNCT, PUNCT, WORD, PUNCT]
