@@ -307,3 +307,25 @@ def test_a_prefill_chunk_does_not_make_a_round_look_dear():
     b._run({model: [Job(arriving, [0] * 32, "none", prefill=168), Job(answering, [1, 2], "all"),
                     Job(other, [3], "all")]})
     assert b.others(answering) == (1, 2) and b.others(other) == (2, 2)
+
+
+def test_a_gpu_prefill_beside_other_requests_leaves_room_for_their_rounds(smol_path, monkeypatch):
+    """Offloaded to a GPU a prompt is prefilled in whole batches (n_batch tokens, one decode each); beside other
+    requests in half batches, so their rounds fit the same decode instead of waiting out the whole prefill
+    (shortest-prefill-first puts a prefill chunk first in each decode). On this CPU-only build n_gpu_layers
+    reaches llama.cpp and offloads nothing; the chunking is what is checked."""
+    sizes = []
+    real = Batcher.decode
+
+    def spy(self, seq, tokens, logits, prefill=0):
+        if prefill:
+            sizes.append(len(tokens))
+        return real(self, seq, tokens, logits, prefill)
+
+    monkeypatch.setattr(Batcher, "decode", spy)
+    prompt = "one two three four five six seven eight nine ten " * 40
+    with localspec.load(target=smol_path, n_ctx=512, parallel=2, n_gpu_layers=99) as llm:
+        n = len(llm.tokenize(prompt))
+        assert 300 < n < 500
+        llm.generate(prompt, max_tokens=2, temperature=0, drafter="none", cancel=lambda: False)
+        assert llm.target.n_batch == 512 and sizes == [256, n - 1 - 256]

@@ -372,8 +372,11 @@ class Seq:
         self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list
         rest = tokens[keep:]
         if cancel is not None:
-            # offloaded to a GPU, whole batches (a GPU wants them big, and gets through them fast)
-            chunk = PREFILL_CHUNK if self.model.cfg.n_gpu_layers == 0 else max(PREFILL_CHUNK, self.model.n_batch)
+            # offloaded to a GPU, whole batches (a GPU wants them big, and gets through them fast); half batches
+            # beside other requests, so their rounds fit the same decode rather than wait for the whole prefill
+            m = self.model
+            chunk = (PREFILL_CHUNK if m.cfg.n_gpu_layers == 0 else
+                     max(PREFILL_CHUNK, m.n_batch // (2 if m.batcher is not None else 1)))
             while len(rest) > chunk:
                 if cancel():
                     raise Cancelled("cancelled during the prefill")
