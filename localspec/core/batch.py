@@ -10,7 +10,8 @@ of the last decode), so it delays the others by little and joins again next roun
 Prompts are prefilled one at a time per model, the shortest first (one chunk per decode, beside the other
 requests' rounds): requests that arrive together then see their first tokens in turn, a short one soon, instead
 of all at the end of every prefill. A prefill passed over counts as one chunk shorter each time, so a long
-prompt is not put off for ever by short ones.
+prompt is not put off for ever by short ones. A request's first round, right after its prefill, waits for no
+chunk: the decode it is in holds the rounds only (its first token would otherwise wait out the next prompt's).
 
 Every joined decode runs on one thread of the batcher's own: llama.cpp's OpenMP build gives each thread that
 calls into it a team of worker threads that spin a while after each decode, and a team per request thread
@@ -34,6 +35,7 @@ class Job:
     tokens: list[int]
     logits: str  # "none", "last" or "all"
     prefill: int = 0  # a prompt's prefill: its tokens left, these included (0: not a prefill)
+    first: bool = False  # the first round after a prefill: a request's first token waits on it
     thread: int = field(default_factory=threading.get_ident)
     rows: np.ndarray | None = None
     error: BaseException | None = None
@@ -58,6 +60,7 @@ class Batcher:
         self._width: dict[object, tuple[int, int, int]] = {}  # seq -> (its tokens, all tokens, sequences) of its
         # latest decode with others
         self._passed: dict[object, int] = {}  # seq -> decodes its prefill has been passed over in since it ran
+        self._prefilled: set[object] = set()  # seqs whose latest decode was a prefill chunk
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="localspec-decode")
 
     # -- who takes part --
@@ -74,6 +77,7 @@ class Batcher:
                 self._thread_of.pop(slot, None)
                 for seq in [s for s in self._passed if s.id == slot]:  # a prefill left unfinished (cancelled)
                     del self._passed[seq]
+                self._prefilled = {s for s in self._prefilled if s.id != slot}
                 self._cond.notify_all()  # the others may all be waiting now
 
     def __enter__(self) -> None:
@@ -123,6 +127,8 @@ class Batcher:
         ask at the same time; seq's logit rows (a copy). prefill: see Job."""
         job = Job(seq, tokens, logits, prefill)
         with self._cond:
+            job.first = not prefill and seq in self._prefilled
+            (self._prefilled.add if prefill else self._prefilled.discard)(seq)
             if not self._jobs:
                 self._since = time.perf_counter()
             self._jobs.append(job)
@@ -179,11 +185,12 @@ class Batcher:
     def _take(self) -> dict[object, list[Job]]:
         """The jobs of the next llama_decode of each model: its shortest waiting prefill (by tokens left, less
         AGING for each time it was passed over) first, then the other requests' rounds in arrival order, as
-        many as n_batch holds. The other prefills wait."""
+        many as n_batch holds. The other prefills wait; all of them do while a request's first round waits."""
         first: dict[object, Job] = {}
+        hurry = {j.seq.model for j in self._jobs if j.first}
         for j in self._jobs:
             m = j.seq.model
-            if j.prefill and (m not in first or self._due(j) < self._due(first[m])):
+            if j.prefill and m not in hurry and (m not in first or self._due(j) < self._due(first[m])):
                 first[m] = j
         groups: dict[object, list[Job]] = {m: [j] for m, j in first.items()}
         used: dict[object, int] = {m: len(j.tokens) for m, j in first.items()}
@@ -196,7 +203,7 @@ class Batcher:
                 groups.setdefault(m, []).append(j)
                 used[m] = used.get(m, 0) + len(j.tokens)
             else:
-                if j.prefill:
+                if j.prefill and m in first:
                     self._passed[j.seq] = self._passed.get(j.seq, 0) + 1
                 rest.append(j)
         for j in first.values():
