@@ -347,3 +347,24 @@ def test_a_requests_first_round_waits_for_no_prefill_chunk():
     assert [j.seq for j in b._take()[model]] == [running, new]
     assert [j.seq for j in b._take()[model]] == [waiting]  # then the prefill goes on, not counted as passed
     assert b._passed == {}
+
+
+def test_only_a_prompts_prefill_is_scheduled_as_one(smol_path, monkeypatch):
+    """The draft model catching its cache up by a token or two each round is part of that round: scheduled as
+    a prefill (one per decode, shortest first) it would have spread the requests' catch-ups over several
+    decodes."""
+    seen = []
+    real = Batcher.decode
+
+    def spy(self, seq, tokens, logits, prefill=0):
+        if prefill:
+            seen.append(len(tokens))
+        return real(self, seq, tokens, logits, prefill)
+
+    monkeypatch.setattr(Batcher, "decode", spy)
+    prompt = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nprint(fib(10))\n" * 4
+    with localspec.load(target=smol_path, draft=smol_path, n_ctx=512, parallel=2) as llm:
+        n = len(llm.tokenize(prompt))
+        r = llm.generate(prompt, max_tokens=12, temperature=0, drafter="model", k=3, cancel=lambda: False)
+        assert r.stats.drafting_rounds > 1
+    assert sum(seen) == 2 * (n - 1)  # the prompt, in the target and in the draft model

@@ -186,27 +186,27 @@ class Batcher:
         """The jobs of the next llama_decode of each model: its shortest waiting prefill (by tokens left, less
         AGING for each time it was passed over) first, then the other requests' rounds in arrival order, as
         many as n_batch holds. The other prefills wait; all of them do while a request's first round waits."""
-        first: dict[object, Job] = {}
+        chosen: dict[object, Job] = {}
         hurry = {j.seq.model for j in self._jobs if j.first}
         for j in self._jobs:
             m = j.seq.model
-            if j.prefill and m not in hurry and (m not in first or self._due(j) < self._due(first[m])):
-                first[m] = j
-        groups: dict[object, list[Job]] = {m: [j] for m, j in first.items()}
-        used: dict[object, int] = {m: len(j.tokens) for m, j in first.items()}
+            if j.prefill and m not in hurry and (m not in chosen or self._due(j) < self._due(chosen[m])):
+                chosen[m] = j
+        groups: dict[object, list[Job]] = {m: [j] for m, j in chosen.items()}
+        used: dict[object, int] = {m: len(j.tokens) for m, j in chosen.items()}
         rest = []
         for j in self._jobs:
             m = j.seq.model
-            if first.get(m) is j:
+            if chosen.get(m) is j:
                 continue
             if not j.prefill and (m not in used or used[m] + len(j.tokens) <= m.n_batch):
                 groups.setdefault(m, []).append(j)
                 used[m] = used.get(m, 0) + len(j.tokens)
             else:
-                if j.prefill and m in first:
+                if j.prefill and m in chosen:
                     self._passed[j.seq] = self._passed.get(j.seq, 0) + 1
                 rest.append(j)
-        for j in first.values():
+        for j in chosen.values():
             self._passed.pop(j.seq, None)
         self._jobs = rest
         return groups

@@ -384,7 +384,8 @@ class Seq:
                 rest = rest[chunk:]
             if cancel():
                 raise Cancelled("cancelled during the prefill")
-        return keep, self.decode(rest, logits="last" if logits else "none", prefill=len(rest))
+        # a prompt's prefill (the loop's, which can be cancelled), not a drafter catching its cache up by a token
+        return keep, self.decode(rest, logits="last" if logits else "none", prefill=len(rest) if cancel else 0)
 
     def pos_max(self) -> int:
         """llama.cpp's own view of the last cached position (-1 when empty)."""
