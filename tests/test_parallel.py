@@ -309,11 +309,9 @@ def test_a_prefill_chunk_does_not_make_a_round_look_dear():
     assert b.others(answering) == (1, 2) and b.others(other) == (2, 2)
 
 
-def test_a_gpu_prefill_beside_other_requests_leaves_room_for_their_rounds(smol_path, monkeypatch):
-    """Offloaded to a GPU a prompt is prefilled in whole batches (n_batch tokens, one decode each); beside other
-    requests in half batches, so their rounds fit the same decode instead of waiting out the whole prefill
-    (shortest-prefill-first puts a prefill chunk first in each decode). On this CPU-only build n_gpu_layers
-    reaches llama.cpp and offloads nothing; the chunking is what is checked."""
+@pytest.fixture
+def prefill_chunks(monkeypatch):
+    """The sizes of the chunks the batcher is given as a prompt's prefill, in order."""
     sizes = []
     real = Batcher.decode
 
@@ -323,6 +321,15 @@ def test_a_gpu_prefill_beside_other_requests_leaves_room_for_their_rounds(smol_p
         return real(self, seq, tokens, logits, prefill)
 
     monkeypatch.setattr(Batcher, "decode", spy)
+    return sizes
+
+
+def test_a_gpu_prefill_beside_other_requests_leaves_room_for_their_rounds(smol_path, prefill_chunks):
+    """Offloaded to a GPU a prompt is prefilled in whole batches (n_batch tokens, one decode each); beside other
+    requests in half batches, so their rounds fit the same decode instead of waiting out the whole prefill
+    (shortest-prefill-first puts a prefill chunk first in each decode). On this CPU-only build n_gpu_layers
+    reaches llama.cpp and offloads nothing; the chunking is what is checked."""
+    sizes = prefill_chunks
     prompt = "one two three four five six seven eight nine ten " * 40
     with localspec.load(target=smol_path, n_ctx=512, parallel=2, n_gpu_layers=99) as llm:
         n = len(llm.tokenize(prompt))
@@ -349,22 +356,13 @@ def test_a_requests_first_round_waits_for_no_prefill_chunk():
     assert b._passed == {}
 
 
-def test_only_a_prompts_prefill_is_scheduled_as_one(smol_path, monkeypatch):
+def test_only_a_prompts_prefill_is_scheduled_as_one(smol_path, prefill_chunks):
     """The draft model catching its cache up by a token or two each round is part of that round: scheduled as
     a prefill (one per decode, shortest first) it would have spread the requests' catch-ups over several
     decodes."""
-    seen = []
-    real = Batcher.decode
-
-    def spy(self, seq, tokens, logits, prefill=0):
-        if prefill:
-            seen.append(len(tokens))
-        return real(self, seq, tokens, logits, prefill)
-
-    monkeypatch.setattr(Batcher, "decode", spy)
     prompt = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nprint(fib(10))\n" * 4
     with localspec.load(target=smol_path, draft=smol_path, n_ctx=512, parallel=2) as llm:
         n = len(llm.tokenize(prompt))
         r = llm.generate(prompt, max_tokens=12, temperature=0, drafter="model", k=3, cancel=lambda: False)
         assert r.stats.drafting_rounds > 1
-    assert sum(seen) == 2 * (n - 1)  # the prompt, in the target and in the draft model
+    assert sum(prefill_chunks) == 2 * (n - 1)  # the prompt, in the target and in the draft model

@@ -75,8 +75,8 @@ class Batcher:
             with self._cond:
                 self._held.discard(slot)
                 self._thread_of.pop(slot, None)
-                for seq in [s for s in self._passed if s.id == slot]:  # a prefill left unfinished (cancelled)
-                    del self._passed[seq]
+                # what a prefill left unfinished (cancelled) knew of its seqs
+                self._passed = {s: n for s, n in self._passed.items() if s.id != slot}
                 self._prefilled = {s for s in self._prefilled if s.id != slot}
                 self._cond.notify_all()  # the others may all be waiting now
 
