@@ -352,6 +352,56 @@ def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, mon
     m.close()
 
 
+class _Clocked:
+    """A model whose decodes advance a fake clock: n tokens cost cost(n), a decode of another shape than the
+    last pays `rebuild` more, and while `busy` (other work on the machine) a single step costs 20% more and a
+    batch 5% more."""
+
+    def __init__(self, cost, rebuild):
+        self.cost, self.rebuild, self.clock, self.last, self.busy, self.passes = cost, rebuild, 0.0, 0, False, 0
+        self.tokens, self.n_ctx, self.n_batch, self.n_vocab = [], 2048, 512, 64
+
+    def perf_counter(self):
+        return self.clock
+
+    def sync(self, tokens, cancel=None):
+        self.tokens = list(tokens)
+
+    def truncate(self, n):
+        del self.tokens[n:]
+
+    def decode(self, toks, logits="last"):
+        n = len(toks)
+        self.clock += self.cost(n) * ((1.2 if n == 1 else 1.05) if self.busy else 1.0)
+        self.clock += self.rebuild if n != self.last else 0.0
+        self.last = n
+        self.tokens += toks
+        return np.zeros((n, 64), dtype=np.float32)
+
+
+def test_calibration_prices_the_rebuild_after_a_verify_and_the_quiet_machine(monkeypatch):
+    """A verify costs its own decode and the graph rebuild of the single step after it (plain decoding never
+    pays one); passes slowed by other work (singles more than batches) do not price verifies low."""
+    import localspec.core.costs as C
+
+    m = _Clocked(lambda n: 1.0 if n == 1 else 0.8 * n, rebuild=0.05)
+    singles, coin = C._time_singles, np.random.default_rng(0)
+
+    def sometimes_busy(model, n):
+        model.busy = coin.random() < 0.5  # half the passes run beside other work
+        return singles(model, n)
+
+    monkeypatch.setattr(C, "time", m)
+    monkeypatch.setattr(C, "_time_singles", sometimes_busy)
+    c = measure(m, None, reps=8)
+    for row in c.verify:
+        ratios = np.array(row) / row[0]
+        # the quiet passes: 0.8 n + the verify's own rebuild and the next step's
+        want = np.maximum.accumulate([1.0] + [0.8 * n + 0.1 for n in c.sizes[1:]])
+        assert ratios == pytest.approx(want)
+        assert 1.0 <= row[0] <= 1.2  # the step: the median over quiet and busy passes
+
+
 def test_calibration_runs_in_a_small_context(smol_path, tmp_path):
     from localspec.core.model import Model, ModelConfig
 

@@ -1,6 +1,6 @@
 """What speculation costs on this machine, as `auto` prices it: the target's verify time by batch size at two
 context depths, the draft's time per token and per token of catching its cache up, and the time to turn a
-logit row into a sampling distribution (half a minute to a few minutes to measure on a 2-core CPU).
+logit row into a sampling distribution (about two minutes to measure on a 2-core CPU).
 store.calibration keeps them, once per machine, build, model files and settings.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .sampling import SamplingParams, dist
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)  # verify batch sizes; costs in between are interpolated
 DEPTHS = (256, 1024)  # tokens cached while measuring; other depths are interpolated (and extrapolated) linearly
+SMALL, SMALL_REPS = 6, 3  # verifies of up to SMALL tokens are measured SMALL_REPS times as often (measure)
 FILL_BATCH = 32  # catching the draft's cache up is a batched decode: its cost per token is measured at this size
 
 
@@ -153,6 +154,21 @@ def _time_singles(model: Model, n: int) -> list[float]:
     return times[1:]
 
 
+def _time_verify(model: Model, n: int) -> float:
+    """A verify of n tokens and what it adds to the single-token step after it: that step runs a graph of
+    another shape than the last (llama.cpp rebuilds it), which plain decoding never pays and a round after a
+    draft does. The step's own time is taken off by the caller (it gets the verify plus the whole step)."""
+    base = len(model.tokens)
+    toks = model.tokens[-n:]
+    t = time.perf_counter()
+    model.decode(toks, logits="all")
+    model.truncate(base)
+    model.decode(toks[-1:], logits="all")
+    elapsed = time.perf_counter() - t
+    model.truncate(base)
+    return elapsed
+
+
 def _time_fill(model: Model, n: int) -> float:
     """A catch-up decode of n tokens (logits for the last only), as sync does it."""
     base = len(model.tokens)
@@ -177,13 +193,16 @@ def plan(n_ctx: int, n_batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def measure(target: Model, draft: Model | None, *, reps: int = 5, log=None, stop=None) -> Costs:
     """Time verify batches on the target and single-token decodes on the draft (both caches end empty).
 
-    Sizes are interleaved across `reps` passes. Each batch is timed as a verify runs, right after single-token
-    steps (_time_singles), and kept as its ratio to them: the median ratio over the passes times the median
+    Sizes are interleaved across `reps` passes, and the short verifies (up to SMALL tokens, the ones auto weighs
+    most rounds) across SMALL_REPS times as many. Each batch is timed as a verify runs, right after single-token
+    steps (_time_singles), with the step after it, which pays llama.cpp's graph rebuild for the shape change
+    back (_time_verify), and kept as its ratio to the steps: the median ratio over the passes times the median
     step, so a burst of other work moves one sample, not the curve, and a drift of the machine's speed moves
     the steps and the batches alike; each curve is then made non-decreasing. (Batches once kept their fastest
     pass while a single token kept a median: that lowered the price of a verify against plain decoding, to
     2.9 single steps for a 4-token verify where runs on the same 2-core EPYC took 3.2-3.4, and auto drafted
-    where it lost.)
+    where it lost. Five passes and no rebuild then priced a 2-token verify at 1.77 steps where 30 passes on the
+    same EPYC measured 1.96 and the step after it 1.03: auto bet on 2-token drafts that lost.)
     stop: checked between measurements; when it returns True, Cancelled is raised (the engine is closing).
     """
     try:
@@ -204,18 +223,25 @@ def _measure(target: Model, draft: Model | None, reps: int, log, stop) -> Costs:
     for depth in depths:
         target.sync(_fill(target, depth), cancel=stop)
         _time_decode(target, sizes[-1])  # warm-up
-        singles, ratios = [], np.ones((reps, len(sizes)))
-        for rep in range(reps):
+        singles, ratios = [], [[] for _ in sizes]
+        for rep in range(reps * SMALL_REPS):
             for i, n in enumerate(sizes):
                 check()
-                if n == 1:
+                if n == 1 or (rep >= reps and n > SMALL):
                     continue
                 steps = _time_singles(target, 3)  # as auto runs: a verify comes between single-token steps
                 singles += steps
-                ratios[rep, i] = _time_decode(target, n) / float(np.median(steps))
+                step = float(np.median(steps))
+                ratios[i].append((step, _time_verify(target, n) / step - 1.0))
         # each batch against the steps just before it: a machine whose speed drifts while it is measured (other
-        # work starting or stopping) moves both alike, so the curve's shape stays what a run will see
-        best = float(np.median(singles)) * np.median(ratios, axis=0)
+        # work starting or stopping) moves both alike, so the curve's shape stays what a run will see. Not
+        # quite alike: other work slows the memory-bound single step more than a batch (on a 2-core EPYC, passes
+        # whose steps took 36-38 ms priced a 2-token verify at 1.7 steps, those at 32-34 ms at 2.0), and a verify
+        # priced low makes auto draft where it loses on a quiet machine. So each size keeps the passes whose
+        # steps were the quicker half: the machine as it is when nothing else runs.
+        quick = float(np.median([st for r in ratios for st, _ in r])) if any(ratios) else 0.0
+        best = float(np.median(singles)) * np.array(
+            [np.median([x for st, x in r if st <= quick] or [x for _, x in r]) if r else 1.0 for r in ratios])
         verify.append(tuple(np.maximum.accumulate(best).tolist()))
         if log:
             mid = len(sizes) // 2

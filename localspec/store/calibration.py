@@ -19,7 +19,7 @@ from ..core.costs import BATCH_SEQS, Costs, cpu_name, measure, measure_batch, pl
 from ..core.exact import Cell, describe, probe_depths, probe_exact
 from ..core.model import Model, ModelConfig, ModelError, default_threads, tiled_matmul_setting
 
-FORMAT = 7  # bump when the cached cost files change shape or how they are measured
+FORMAT = 8  # bump when the cached cost files change shape or how they are measured
 PROBE_FORMAT = 2  # bump when what the exact probe covers changes: older verdicts are then not trusted
 
 
@@ -80,7 +80,7 @@ def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, forc
     log = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if costs is None:
         print(f"localspec: measuring speculation costs on this machine for {target.path.name} "
-              "(once; half a minute to a few minutes, by the CPU)", file=sys.stderr, flush=True)
+              "(once; a minute to a few, by the CPU)", file=sys.stderr, flush=True)
         costs = measure(target, draft, log=log, stop=stop)
         _write(path, asdict(costs))
     wanted = [b for b in BATCH_SEQS if b < len(target.seqs)]
