@@ -141,9 +141,9 @@ def _bucket(size: int) -> int:
 
 
 def _best(rates: np.ndarray, cost, extra_per_token: float = 0.0, per_emitted: float = 0.0,
-          start: int = 0, fixed: float = 0.0) -> tuple[int, float, float]:
-    """(K, expected tokens per second, expected tokens per round) of the best draft length K >= max(start, 1)
-    given per-position acceptance rates.
+          start: int = 0, fixed: float = 0.0) -> tuple[int, float, float, float]:
+    """(K, expected tokens per second, expected tokens per round, expected seconds per round) of the best
+    draft length K >= max(start, 1) given per-position acceptance rates.
 
     cost(n) is the seconds of a verify of n tokens; extra_per_token the cost of drafting one of the tokens past
     `start` (the first `start` are given: forced by a grammar); per_emitted the cost of each row the acceptance
@@ -152,9 +152,10 @@ def _best(rates: np.ndarray, cost, extra_per_token: float = 0.0, per_emitted: fl
     """
     expected = 1.0 + np.cumsum(np.cumprod(rates))  # tokens a round yields with K = 1..len(rates) drafts
     ks = np.arange(1, len(rates) + 1)
-    speed = expected / (cost(ks + 1) + extra_per_token * np.maximum(ks - start, 0) + per_emitted * expected + fixed)
+    seconds = cost(ks + 1) + extra_per_token * np.maximum(ks - start, 0) + per_emitted * expected + fixed
+    speed = expected / seconds
     i = max(start, 1) - 1 + int(np.argmax(speed[max(start, 1) - 1:]))
-    return i + 1, float(speed[i]), float(expected[i])
+    return i + 1, float(speed[i]), float(expected[i]), float(seconds[i])
 
 
 class AutoDrafter:
@@ -257,28 +258,29 @@ class AutoDrafter:
         # seconds this request's drafts have saved against plain decoding (< 0: lost), priced with the measured
         # costs rather than timed, so the same request still drafts the same way every time
         self.bank = 0.0
-        self.bet: tuple[int, float] | None = None  # the last draft: context length then, the seconds its round cost
+        # the last draft: the context's length then, the seconds its round cost, and a plain step's then
+        self.bet: tuple[int, float, float] | None = None
         # guesses not settled yet: (position, tokens, whose stats, how many leading ones are counted already,
         # the KindOdds that also learn from them)
         self.pending: list[tuple[int, list[int], AcceptanceStats, int, KindOdds | None]] = []
         self._ngram_set = (set(self.ngram_stats.values()) | set(self.prediction_stats.values())
                            | set(self.history_stats.values()))
 
-    def _cost(self, depth: int):
-        return lambda n: self.costs.verify_cost(n, depth)
+    def _cost(self, depth: int, n: int):
+        """cost(m): seconds of a verify of m tokens (1..n + 1, a number or an array) at this depth, the curve
+        interpolated once for the round (a round prices several candidates)."""
+        row = np.asarray(self.costs.verify_cost(np.arange(1, n + 2), depth), dtype=float)
+        return lambda m: row[np.asarray(m) - 1]
 
-    def _plain(self, depth: int) -> float:
-        """Expected tokens per second of plain decoding."""
-        return 1.0 / (self.costs.verify_cost(1, depth) + self.row_cost)
-
-    def model_may_win(self, depth: int, n: int = 16) -> bool:
+    def model_may_win(self, depth: int, n: int = 16, cost=None) -> bool:
         """Whether the draft model could pay on this machine at all (then its cache is kept from the prompt on).
         Where even a draft model that is always right would not clearly beat plain decoding (slow batched
         verify, costly draft), it is never tried: a probe would also pay for catching its cache up."""
         if self.model is None or self.costs.draft is None:
             return False
-        speed = _best(np.ones(n), self._cost(depth), self.costs.draft_cost(depth), self.row_cost)[1]
-        return speed > 1.25 * self._plain(depth)
+        cost = cost or self._cost(depth, n)
+        speed = _best(np.ones(n), cost, self.costs.draft_cost(depth), self.row_cost)[1]
+        return speed > 1.25 / (cost(1) + self.row_cost)
 
     def _learn(self, context: Sequence[int]) -> None:
         keep, run = [], None
@@ -309,13 +311,13 @@ class AutoDrafter:
             self.output_from = len(context)
         depth = len(context)
         if self.bet is not None:  # what the last draft's round gave, against plain decoding of as many tokens
-            at, seconds = self.bet
+            at, seconds, step = self.bet
             # (the sampler's time per row is the same per token with or without a draft: left out of both)
-            self.bank += (depth - at) * self.costs.verify_cost(1, at) - seconds
+            self.bank += (depth - at) * step - seconds
             self.bet = None
         if n <= 0:
             return EMPTY
-        cost = self._cost(depth)
+        cost = self._cost(depth, n)
         forced = self.grammar.forced()[:n] if self.grammar is not None else []
         rates = self.forced_stats.rates(len(forced))
         if forced:
@@ -329,15 +331,19 @@ class AutoDrafter:
             rate = stats.rates(1)
             rates, guess = (np.concatenate([rates, rate]), guess) if rate[0] >= 0.5 else (rates, [])
         f = len(forced) + len(guess)
-        plain = self._plain(depth)
+        plain = 1.0 / (cost(1) + self.row_cost)  # expected tokens per second of plain decoding
         # A request whose drafts have lost time so far asks more of the next one (CAUTION), so a text that keeps
         # defeating the estimates costs little against plain decoding.
         margin = self.MARGIN + self.CAUTION * max(-self.bank, 0.0) * plain
-        best = ("none", 0, margin * plain, 1.0)  # (source, K, expected tokens/s, expected tokens)
+        # (source, K, expected tokens/s, expected tokens, expected seconds)
+        best = ("none", 0, margin * plain, 1.0, 1.0 / plain)
+
+        def score(source: str, guessed=(), per_token: float = 0.0, fixed: float = 0.0):
+            return (source, *_best(np.concatenate([rates, guessed]), cost, per_token, self.row_cost, start=f,
+                                   fixed=fixed))
+
         if f:
-            k, speed, tokens = _best(rates, cost, 0.0, self.row_cost, start=f)
-            if speed > best[2]:
-                best = ("forced", f, speed, tokens)
+            best = max(best, score("forced"), key=lambda b: b[2])
         lead = forced + guess
         ctx = [*context, *lead] if f else context
         cont, pcont, hcont = [], [], []
@@ -354,18 +360,13 @@ class AutoDrafter:
                 if odds is not None:
                     guessed = odds.adjust(guessed, self.kinds[cont])
                 self.pending.append((len(ctx), cont, stats, 0, odds))
-                k, speed, tokens = _best(np.concatenate([rates, guessed]), cost, 0.0, self.row_cost, start=f)
-                if speed > best[2]:
-                    best = ("ngram", k, speed, tokens)
+                best = max(best, score("ngram", guessed), key=lambda b: b[2])
             if self.prediction is not None:
                 _, pcont = self.prediction.lookup(ctx, n - f)
             if pcont:
                 stats = self.prediction_stats[self._run_level]
                 self.pending.append((len(ctx), pcont, stats, 0, None))
-                k, speed, tokens = _best(np.concatenate([rates, stats.rates(len(pcont))]), cost, 0.0, self.row_cost,
-                                         start=f)
-                if speed > best[2]:
-                    best = ("prediction", k, speed, tokens)
+                best = max(best, score("prediction", stats.rates(len(pcont))), key=lambda b: b[2])
             if self.history is not None and self.history.size:  # nothing kept yet: no lookup
                 found = self.history.lookup(ctx, n - f)
                 hcont = found.tokens
@@ -375,28 +376,24 @@ class AutoDrafter:
                 stats = self.history_stats[min(_bucket(found.size), 6) if found.size >= 4 else 3,
                                            0 if found.support == 1 else 1 if found.support < 4 else 2]
                 self.pending.append((len(ctx), hcont, stats, 0, None))
-                k, speed, tokens = _best(np.concatenate([rates, stats.rates(len(hcont))]), cost, 0.0, self.row_cost,
-                                         start=f)
-                if speed > best[2]:
-                    best = ("history", k, speed, tokens)
+                best = max(best, score("history", stats.rates(len(hcont))), key=lambda b: b[2])
             if not cont and not pcont and not hcont:
                 self.run = 0
-        if n > f and self.model_may_win(depth, n) and self.model.fits(ctx):
+        if n > f and self.model_may_win(depth, n, cost) and self.model.fits(ctx):
             # catching the draft's cache up over what it has not seen is paid before it can draft
             lag = self.model.lag(ctx)
-            k, speed, tokens = _best(np.concatenate([rates, self.model_stats.rates(n - f)]), cost,
-                             self.costs.draft_cost(depth), self.row_cost, start=f,
-                             fixed=lag * self.costs.fill_cost(depth))
+            model = score("model", self.model_stats.rates(n - f), self.costs.draft_cost(depth),
+                          lag * self.costs.fill_cost(depth))
             self.since_model += 1
             # a probe learns what the model is worth here, but only while its cache is nearly caught up: a
             # probe after a long gap would pay a long catch-up for one round's answer
             probe = self.since_model >= self.probe_every and lag <= self.PROBE_LAG
-            if speed > best[2] or probe:
-                if probe and speed <= best[2]:
+            if model[2] > best[2] or probe:
+                if probe and model[2] <= best[2]:
                     self.probe_every = min(2 * self.probe_every, 4096)
-                best = ("model", k, speed, tokens)
-        name, k, speed, tokens = best
-        plan = Plan(name, tokens, 1.0 / plain if name == "none" else tokens / speed)
+                best = model
+        name, k, _, tokens, seconds = best
+        plan = Plan(name, tokens, seconds)
         if name == "none":
             return Draft([], plan=plan)
         lag = self.model.lag(ctx) if name == "model" else 0
@@ -419,10 +416,10 @@ class AutoDrafter:
             if rest.tokens:
                 self.pending.append((len(ctx), rest.tokens, self.model_stats, 0, None))
         d = replace(constrained(self.grammar, forced, rest, guess) if self.grammar is not None else rest, plan=plan)
-        seconds = self.costs.verify_cost(len(d.tokens) + 1, depth)
+        seconds = float(cost(len(d.tokens) + 1))
         if name == "model":
             seconds += self.costs.draft_cost(depth) * max(len(rest.tokens), 1) + lag * self.costs.fill_cost(depth)
         # a probe of the draft model counts too: the account is this request's time against plain decoding
         # (leaving probes out lowered the replay's sums, 1.3164 -> 1.3146)
-        self.bet = (depth, seconds)
+        self.bet = (depth, seconds, float(cost(1)))
         return d
