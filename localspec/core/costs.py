@@ -201,8 +201,8 @@ def measure(target: Model, draft: Model | None, *, reps: int = 5, log=None, stop
     the steps and the batches alike; each curve is then made non-decreasing. (Batches once kept their fastest
     pass while a single token kept a median: that lowered the price of a verify against plain decoding, to
     2.9 single steps for a 4-token verify where runs on the same 2-core EPYC took 3.2-3.4, and auto drafted
-    where it lost. Five passes and no rebuild then priced a 2-token verify at 1.77 steps where 30 passes on the
-    same EPYC measured 1.96 and the step after it 1.03: auto bet on 2-token drafts that lost.)
+    where it lost. Five passes in a busy minute, with no rebuild, then priced a 2-token verify at 1.77 steps
+    where 30 passes on the same EPYC measured 1.96 and the step after it 1.03: auto bet on drafts that lost.)
     stop: checked between measurements; when it returns True, Cancelled is raised (the engine is closing).
     """
     try:
