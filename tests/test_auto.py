@@ -21,7 +21,7 @@ def costs(verify, draft, sample_row=0.0):
 CPU = costs(np.interp(SIZES, [1, 2, 4, 6, 8, 16, 32], [29, 38, 63, 90, 106, 119, 211]) / 1e3, 0.016)
 # The other kind of CPU of the same machine kind (MODELS.md): decoding slower, verifying 5 tokens ~2 decodes.
 INTEL = costs(np.interp(SIZES, [1, 2, 3, 5, 8, 17, 33], [68, 100, 130, 141, 208, 308, 493]) / 1e3, 0.0315)
-# This host (a 2-vCPU AMD EPYC Zen 4, localspec's calibration): each token of a verify costs most of a decode.
+# This host (a 2-vCPU AMD EPYC Zen 4, its calibration before FORMAT 8): each token of a verify costs most of a decode.
 ZEN4 = costs(np.array([37.2, 65.8, 98.5, 124.4, 150.8, 175.8, 271.6, 326.5, 326.5, 375.6, 375.6, 484.7, 552.2]) / 1e3,
              0.0253)
 # Verification that costs n decodes for n tokens: speculation can never pay.
