@@ -154,21 +154,6 @@ def _time_singles(model: Model, n: int) -> list[float]:
     return times[1:]
 
 
-def _time_verify(model: Model, n: int) -> float:
-    """A verify of n tokens and what it adds to the single-token step after it: that step runs a graph of
-    another shape than the last (llama.cpp rebuilds it), which plain decoding never pays and a round after a
-    draft does. The step's own time is taken off by the caller (it gets the verify plus the whole step)."""
-    base = len(model.tokens)
-    toks = model.tokens[-n:]
-    t = time.perf_counter()
-    model.decode(toks, logits="all")
-    model.truncate(base)
-    model.decode(toks[-1:], logits="all")
-    elapsed = time.perf_counter() - t
-    model.truncate(base)
-    return elapsed
-
-
 def _time_fill(model: Model, n: int) -> float:
     """A catch-up decode of n tokens (logits for the last only), as sync does it."""
     base = len(model.tokens)
@@ -196,7 +181,7 @@ def measure(target: Model, draft: Model | None, *, reps: int = 5, log=None, stop
     Sizes are interleaved across `reps` passes, and the short verifies (up to SMALL tokens, the ones auto weighs
     most rounds) across SMALL_REPS times as many. Each batch is timed as a verify runs, right after single-token
     steps (_time_singles), with the step after it, which pays llama.cpp's graph rebuild for the shape change
-    back (_time_verify), and kept as its ratio to the steps: the median ratio over the passes times the median
+    back, and kept as its ratio to the steps: the median ratio over the passes times the median
     step, so a burst of other work moves one sample, not the curve, and a drift of the machine's speed moves
     the steps and the batches alike; each curve is then made non-decreasing. (Batches once kept their fastest
     pass while a single token kept a median: that lowered the price of a verify against plain decoding, to
@@ -232,7 +217,9 @@ def _measure(target: Model, draft: Model | None, reps: int, log, stop) -> Costs:
                 steps = _time_singles(target, 3)  # as auto runs: a verify comes between single-token steps
                 singles += steps
                 step = float(np.median(steps))
-                ratios[i].append((step, _time_verify(target, n) / step - 1.0))
+                # the verify, and what the single step after it adds: that step runs a graph of another shape
+                # than the last (llama.cpp rebuilds it), which plain decoding never pays and a round after a draft does
+                ratios[i].append((step, (_time_decode(target, n) + _time_decode(target, 1) - step) / step))
         # each batch against the steps just before it: a machine whose speed drifts while it is measured (other
         # work starting or stopping) moves both alike, so the curve's shape stays what a run will see. Not
         # quite alike: other work slows the memory-bound single step more than a batch (on a 2-core EPYC, passes

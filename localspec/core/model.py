@@ -385,7 +385,8 @@ class Seq:
             if cancel():
                 raise Cancelled("cancelled during the prefill")
         # a prompt's prefill (the loop's, which can be cancelled), not a drafter catching its cache up by a token
-        return keep, self.decode(rest, logits="last" if logits else "none", prefill=len(rest) if cancel is not None else 0)
+        prefill = len(rest) if cancel is not None else 0
+        return keep, self.decode(rest, logits="last" if logits else "none", prefill=prefill)
 
     def pos_max(self) -> int:
         """llama.cpp's own view of the last cached position (-1 when empty)."""
