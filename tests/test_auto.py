@@ -276,6 +276,21 @@ def test_costs_interpolate_in_size_and_depth():
     np.testing.assert_allclose(c.verify_cost(np.array([1, 2]), 256), [0.01, 0.02])
 
 
+def test_the_costs_of_every_length_are_verify_costs_figures():
+    """auto reads a round's costs of 1..n tokens at once (verify_costs, the sizes interpolated once per n): the
+    same figures as verify_cost, within, below and beyond the measured depths, alone and beside others."""
+    from localspec.core.costs import Shared
+
+    c = Costs((1, 2, 4, 8), (256, 1024), ((0.01, 0.02, 0.05, 0.09), (0.02, 0.03, 0.07, 0.12)), None, 0.0,
+              batch=((2, 1.1), (4, 1.3)))
+    one = Costs((1, 2, 4), (256,), ((0.01, 0.02, 0.05),), None, 0.0)
+    for costs in (c, one, Shared(c, lambda: (3, 4))):
+        for n in (1, 5, 9):
+            for depth in (0, 256, 640, 1024, 3000):
+                np.testing.assert_array_equal(costs.verify_costs(n, depth), costs.verify_cost(np.arange(1, n + 1), depth))
+    assert not one.verify_costs(3, 256).flags.writeable  # the cached row itself: nobody may write to it
+
+
 def test_a_noisy_deeper_measurement_never_extrapolates_towards_zero():
     """Measured on a busy machine, the deeper cost can come out lower: within the depths that is interpolated
     as measured, beyond the last depth it stays at the deeper figure instead of falling towards zero."""

@@ -96,6 +96,7 @@ class KindOdds:
         """prior: a rate per kind to start from (worth WEIGHT guesses, forgotten as the others are), or None."""
         self.tried = np.array([0.0 if r is None else self.WEIGHT for r in prior])
         self.accepted = np.array([0.0 if r is None else self.WEIGHT * r for r in prior])
+        self._factor = None  # each kind's factor on the odds against (adjust), until the next update
 
     def update(self, kinds: np.ndarray, n_accepted: int, final: bool) -> None:
         """kinds: those of the tokens tried (in order); the first n_accepted of them were accepted."""
@@ -104,14 +105,16 @@ class KindOdds:
             self.accepted *= self.DECAY
         np.add.at(self.tried, kinds, 1)
         np.add.at(self.accepted, kinds[:n_accepted], 1)
+        self._factor = None
 
     def adjust(self, rates: np.ndarray, kinds: np.ndarray) -> np.ndarray:
         """rates with each position's odds moved by its token's kind (its rate against all kinds')."""
-        mean = (self.accepted.sum() + 0.5 * self.WEIGHT) / (self.tried.sum() + self.WEIGHT)
-        p = (self.accepted + self.WEIGHT * mean) / (self.tried + self.WEIGHT)
-        shift = np.log(p / (1 - p)) - np.log(mean / (1 - mean))
+        if self._factor is None:
+            mean = (self.accepted.sum() + 0.5 * self.WEIGHT) / (self.tried.sum() + self.WEIGHT)
+            p = (self.accepted + self.WEIGHT * mean) / (self.tried + self.WEIGHT)
+            self._factor = np.exp(-(np.log(p / (1 - p)) - np.log(mean / (1 - mean))))
         r = np.clip(rates, 1e-3, 1 - 1e-3)
-        return 1 / (1 + (1 - r) / r * np.exp(-shift[kinds]))
+        return 1 / (1 + (1 - r) / r * self._factor[kinds])
 
 
 # Under a grammar auto starts from what JSON extraction showed, measured on the plain outputs of the held-out
@@ -133,6 +136,10 @@ CONTINUE = {"prompt": 0.8, "output": 0.6, "split": 0.4}
 # failed. Replayed on 23 prompts and 5 cost curves, these caps lifted this host's worst prompt from 0.95x of plain
 # to 0.99x, and no curve's geometric mean fell (on the structured and history sets, by 0.001 at most).
 CAP = {"prompt": 0.94, "output": 0.88, "split": 0.88}
+
+
+NO_RATES = np.empty(0)  # the acceptance rates of no forced tokens (most rounds)
+NO_RATES.flags.writeable = False
 
 
 def _bucket(size: int) -> int:
@@ -197,6 +204,7 @@ class AutoDrafter:
     # little; 0.1 and more cost the slowest-verifying host, where one failed draft loses several steps, 1-3%).
     CAUTION = 0.05
     PROBE_LAG = 8  # probe the draft model only when its cache lacks at most this many tokens
+    MAY_WIN_EVERY = 32  # model_may_win is decided again each time the context grows by this many tokens
 
     def __init__(self, costs, ngram: NgramDrafter, model: ModelDrafter | None, *, k_max: int = 33,
                  sample_rows: bool = False, grammar=None, prediction: Prediction | None = None,
@@ -254,6 +262,7 @@ class AutoDrafter:
         self.history_stats = {(size, support): AcceptanceStats(k_max, min(0.15 + 0.1 * (size // 2) + 0.1 * support, 0.7))
                               for size in (3, 4, 6) for support in (0, 1, 2)}
         self.probe_every = 64
+        self.may_win: tuple[tuple[int, int], bool] | None = None  # ((n, depth bucket), model_may_win's answer)
         self.since_model = self.probe_every  # the first round the model could draft in probes it
         # seconds this request's drafts have saved against plain decoding (< 0: lost), priced with the measured
         # costs rather than timed, so the same request still drafts the same way every time
@@ -269,18 +278,23 @@ class AutoDrafter:
     def _cost(self, depth: int, n: int):
         """cost(m): seconds of a verify of m tokens (1..n + 1, a number or an array) at this depth, the curve
         interpolated once for the round (a round prices several candidates)."""
-        row = np.asarray(self.costs.verify_cost(np.arange(1, n + 2), depth), dtype=float)
+        row = self.costs.verify_costs(n + 1, depth)
         return lambda m: row[np.asarray(m) - 1]
 
-    def model_may_win(self, depth: int, n: int = 16, cost=None) -> bool:
+    def model_may_win(self, depth: int, n: int = 16) -> bool:
         """Whether the draft model could pay on this machine at all (then its cache is kept from the prompt on).
         Where even a draft model that is always right would not clearly beat plain decoding (slow batched
-        verify, costly draft), it is never tried: a probe would also pay for catching its cache up."""
+        verify, costly draft), it is never tried: a probe would also pay for catching its cache up. Decided
+        at the start of each stretch of MAY_WIN_EVERY tokens of context (the costs move slowly with depth)."""
         if self.model is None or self.costs.draft is None:
             return False
-        cost = cost or self._cost(depth, n)
-        speed = _best(np.ones(n), cost, self.costs.draft_cost(depth), self.row_cost)[1]
-        return speed > 1.25 / (cost(1) + self.row_cost)
+        key = (n, depth // self.MAY_WIN_EVERY)
+        if self.may_win is None or self.may_win[0] != key:
+            at = key[1] * self.MAY_WIN_EVERY
+            cost = self._cost(at, n)
+            speed = _best(np.ones(n), cost, self.costs.draft_cost(at), self.row_cost)[1]
+            self.may_win = key, speed > 1.25 / (cost(1) + self.row_cost)
+        return self.may_win[1]
 
     def _learn(self, context: Sequence[int]) -> None:
         keep, run = [], None
@@ -319,7 +333,7 @@ class AutoDrafter:
             return EMPTY
         cost = self._cost(depth, n)
         forced = self.grammar.forced()[:n] if self.grammar is not None else []
-        rates = self.forced_stats.rates(len(forced))
+        rates = self.forced_stats.rates(len(forced)) if forced else NO_RATES
         if forced:
             self.pending.append((len(context), forced, self.forced_stats, 0, None))
         # the token that spells the rest of the forced bytes, drafted while the model mostly writes it (' "'
@@ -379,7 +393,7 @@ class AutoDrafter:
                 best = max(best, score("history", stats.rates(len(hcont))), key=lambda b: b[2])
             if not cont and not pcont and not hcont:
                 self.run = 0
-        if n > f and self.model_may_win(depth, n, cost) and self.model.fits(ctx):
+        if n > f and self.model_may_win(depth, n) and self.model.fits(ctx):
             # catching the draft's cache up over what it has not seen is paid before it can draft
             lag = self.model.lag(ctx)
             model = score("model", self.model_stats.rates(n - f), self.costs.draft_cost(depth),

@@ -61,6 +61,17 @@ class Costs:
         rows = [np.interp(n, self.sizes, v) for v in self.verify]
         return self._at_depth(rows, depth)
 
+    def verify_costs(self, n: int, depth: int = 0) -> np.ndarray:
+        """verify_cost of 1..n tokens as an array. auto prices every length each round: the curve is interpolated
+        over sizes once per n and only over depth each time (the same figures as verify_cost)."""
+        rows = self.__dict__.setdefault("_by_size", {}).get(n)  # a cache, not a field (frozen, asdict)
+        if rows is None:
+            rows = [np.interp(np.arange(1, n + 1), self.sizes, v) for v in self.verify]
+            for r in rows:
+                r.flags.writeable = False  # with one depth measured, _at_depth hands a row out as it is
+            self.__dict__["_by_size"][n] = rows
+        return self._at_depth(rows, depth)
+
     def batch_cost(self, n, depth: int = 0, seqs: int = 1):
         """Seconds of one decode of n tokens (in all) from `seqs` sequences, each `depth` deep."""
         if seqs <= 1 or not self.batch:
@@ -111,6 +122,9 @@ class Shared:
             return self.costs.verify_cost(n, depth)
         base = self.costs.batch_cost(w + 1, depth, b)
         return self.costs.batch_cost(w + np.asarray(n), depth, b) - base + base / b
+
+    def verify_costs(self, n: int, depth: int = 0) -> np.ndarray:
+        return np.asarray(self.verify_cost(np.arange(1, n + 1), depth), dtype=float)
 
 
 def cpu_name() -> str:
