@@ -287,7 +287,8 @@ def test_the_costs_of_every_length_are_verify_costs_figures():
     for costs in (c, one, Shared(c, lambda: (3, 4))):
         for n in (1, 5, 9):
             for depth in (0, 256, 640, 1024, 3000):
-                np.testing.assert_array_equal(costs.verify_costs(n, depth), costs.verify_cost(np.arange(1, n + 1), depth))
+                np.testing.assert_array_equal(costs.verify_costs(n, depth),
+                                              costs.verify_cost(np.arange(1, n + 1), depth))
     assert not one.verify_costs(3, 256).flags.writeable  # the cached row itself: nobody may write to it
 
 
