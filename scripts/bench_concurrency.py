@@ -139,6 +139,8 @@ def main() -> None:
     with localspec.load(pair=args.pair, n_ctx=args.n_ctx, n_threads=threads, parallel=max(levels)) as llm:
         prompts = [llm.render_chat(r["messages"]) for r in records]
         costs = llm.calibration()
+        # llama.cpp's extra weight layouts as our target loaded (off where this build's AMX kernels crash)
+        repack = [] if llm.target.extra_bufts else ["--no-repack"]
     systems = args.systems.split(",")
     peer = args.llama_server
     if "llama" in systems and peer is None:
@@ -174,7 +176,7 @@ def main() -> None:
             else:
                 cmd = [peer, "-m", str(target), "-t", str(threads), "-tb", str(threads), "-c", str(args.n_ctx * c),
                        "-np", str(c), "--kv-unified", "-fa", "off", "-b", "512", "-ub", "512", "--port", str(port),
-                       "--no-webui"]
+                       "--no-webui", *repack]
             measure(system, cmd, port, c)
 
     alone = results.get("queue", {}).get(1)

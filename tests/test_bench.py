@@ -62,10 +62,13 @@ def test_peers_run_with_the_engines_threads_flash_attention_kv_types_and_exact(s
 
 
 def test_peer_settings_follow_a_plain_cpu_target():
-    kw, fields = bench.peer_settings(SimpleNamespace(cfg=ModelConfig(n_threads=3, type_k="q8_0"), flash_attn="off"))
+    target = SimpleNamespace(cfg=ModelConfig(n_threads=3, type_k="q8_0"), flash_attn="off", extra_bufts=True)
+    kw, fields = bench.peer_settings(target)
     assert kw["n_threads"] == kw["n_threads_batch"] == 3 and kw["flash_attn"] is False
     assert kw["type_k"] == llama_cpp.GGML_TYPE_Q8_0 and kw["type_v"] == llama_cpp.GGML_TYPE_F16
     assert kw["n_ubatch"] == 512 and fields == {}             # weight repacking stays on, as the engine's
+    target.extra_bufts = False                                # a build whose AMX kernels crash: off for both
+    assert bench.peer_settings(target)[1] == {"use_extra_bufts": False}
 
 
 @pytest.mark.slow  # 9-10 s: in the slow tier, which CI runs, to keep the default run within 8 minutes

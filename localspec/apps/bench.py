@@ -106,8 +106,8 @@ def peer_settings(target) -> tuple[dict, dict]:
               n_ubatch=32 if cfg.exact else 512,
               # Llama takes a bool (enabled/disabled); llama.cpp's auto enables it wherever it is supported
               flash_attn=target.flash_attn != "off")
-    extra_bufts = cfg.kwargs.get("use_extra_bufts", not cfg.exact)
-    return kw, {} if extra_bufts else {"use_extra_bufts": False}
+    # llama.cpp's extra weight layouts as the target loaded (off in exact mode, or where AMX crashes the build)
+    return kw, {} if target.extra_bufts else {"use_extra_bufts": False}
 
 
 @contextlib.contextmanager

@@ -273,7 +273,8 @@ def calibrate(force, **kw):
     load_kw, _ = split_options(kw)
     with load_engine(load_kw) as llm:
         costs = llm.calibration(force=force)
-        click.echo(f"{llm.name}: {llm.target.n_threads} threads, flash attention {llm.target.flash_attn}")
+        click.echo(f"{llm.name}: {llm.target.n_threads} threads, flash attention {llm.target.flash_attn}, "
+                   f"llama.cpp's extra weight layouts (AMX, CPU repacking) {'on' if llm.target.extra_bufts else 'off'}")
         click.echo(costs.table())
         click.echo(f"llama.cpp: {system_info()}")
 

@@ -5,13 +5,12 @@ store.calibration keeps them, once per machine, build, model files and settings.
 """
 from __future__ import annotations
 
-import platform
 import time
 from dataclasses import dataclass, replace
 
-import llama_cpp as L
 import numpy as np
 
+from .llama import cpu_name, system_info  # noqa: F401 - read from here by the calibration and CLI
 from .model import Cancelled, Model
 from .sampling import SamplingParams, dist
 
@@ -125,22 +124,6 @@ class Shared:
 
     def verify_costs(self, n: int, depth: int = 0) -> np.ndarray:
         return np.asarray(self.verify_cost(np.arange(1, n + 1), depth), dtype=float)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def system_info() -> str:
-    """llama.cpp's own account of the backends and CPU features it was built with and uses."""
-    return L.llama_print_system_info().decode(errors="replace").strip()
 
 
 def _time_decode(model: Model, n: int) -> float:

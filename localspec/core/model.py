@@ -23,8 +23,8 @@ import llama_cpp as L
 import numpy as np
 
 from .llama import (FLASH_ATTN, KV_TYPES, PREFILL_CHUNK, Cancelled, ContextFullError, ModelConfig,  # noqa: F401
-                    ModelError, _fields, _in_use, _interrupt_after, _last_log, _recent_log, _Users, check_gguf,
-                    default_threads, exact_matmuls, note_context, resolve_flash_attn, set_verbose,
+                    ModelError, _fields, _in_use, _interrupt_after, _last_log, _recent_log, _Users, amx_faults,
+                    check_gguf, default_threads, exact_matmuls, note_context, resolve_flash_attn, set_verbose,
                     tiled_matmul_setting)
 
 
@@ -45,6 +45,8 @@ class Model:
         mp.vocab_only = vocab_only
         if cfg.exact:
             mp.use_extra_bufts = False  # no CPU weight repacking: batched logits == single-token logits
+        elif not vocab_only and "use_extra_bufts" not in cfg.kwargs and amx_faults(self.path):
+            mp.use_extra_bufts = False  # llama.cpp's AMX kernels crash this build (amx_faults says why)
         cp = L.llama_context_default_params()
         threads = cfg.n_threads or default_threads()
         # Concurrent requests (n_seq > 1) each get a sequence of n_ctx positions, plus sequence 0 for the
@@ -65,6 +67,7 @@ class Model:
         cp.no_perf = True
         for key, value in cfg.kwargs.items():
             setattr(mp if key in _fields(L.llama_model_params) else cp, key, value)
+        self.extra_bufts = bool(mp.use_extra_bufts)  # llama.cpp's extra weight layouts (AMX, CPU repacking)
 
         _recent_log.clear()
         with _interrupt_after(self.close) as hit:

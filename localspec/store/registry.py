@@ -29,7 +29,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from ..core.defaults import DRAFTERS
+from ..core.defaults import DRAFTERS, home  # noqa: F401 - home is read from here too
 from ..core.errors import LocalspecError
 
 # Installed wheels carry models.toml inside the package; a source checkout has it at the repository root.
@@ -241,11 +241,6 @@ def load_registry() -> Registry:
                                 f"{m.repo}/{m.file}, and localspec keeps one copy of a repository's file in "
                                 f"{home() / 'models'} (each download would delete the other): keep one of them")
     return reg
-
-
-def home() -> Path:
-    """Where localspec keeps models and calibration data: $LOCALSPEC_HOME or ~/.cache/localspec."""
-    return Path(os.environ.get("LOCALSPEC_HOME") or "~/.cache/localspec").expanduser()
 
 
 def _env_true(name: str) -> bool:
