@@ -110,7 +110,7 @@ def onehot(n_vocab: int, t: int, scale: float = 10.0) -> np.ndarray:
 
 
 def pytest_report_header(config):
-    from localspec.core.costs import system_info
+    from localspec.core.llama import system_info
 
     if "LLAMAFILE = 1" in system_info():
         return ("llama-cpp-python was built with llamafile's sgemm: on many CPUs exact mode is then refused and the "

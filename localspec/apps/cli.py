@@ -268,7 +268,7 @@ def calibrate(force, **kw):
     sampler's time per row, cached per CPU, llama.cpp build, model files and settings. Measure again with
     --force after changing hardware or when the machine was busy during the first measurement.
     """
-    from ..core.costs import system_info
+    from ..core.llama import system_info
 
     load_kw, _ = split_options(kw)
     with load_engine(load_kw) as llm:

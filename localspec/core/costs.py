@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .llama import cpu_name, system_info  # noqa: F401 - read from here by the calibration and CLI
 from .model import Cancelled, Model
 from .sampling import SamplingParams, dist
 

@@ -195,7 +195,7 @@ def amx_faults(path: Path) -> bool:
         if verdict in ("works", "faults"):
             _amx_works = verdict == "works"
             return not _amx_works
-    sys.stderr.write(f"localspec: checking that llama.cpp's AMX kernels run on this machine (once)\n")
+    sys.stderr.write("localspec: checking that llama.cpp's AMX kernels run on this machine (once)\n")
     try:
         r = subprocess.run([sys.executable, "-c", _AMX_CHILD, str(path)], capture_output=True, text=True,
                            errors="replace", timeout=600, stdin=subprocess.DEVNULL)

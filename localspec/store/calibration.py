@@ -15,7 +15,8 @@ from dataclasses import asdict, replace
 from importlib.metadata import version
 from pathlib import Path
 
-from ..core.costs import BATCH_SEQS, Costs, cpu_name, measure, measure_batch, plan, system_info
+from ..core.costs import BATCH_SEQS, Costs, measure, measure_batch, plan
+from ..core.llama import cpu_name, system_info
 from ..core.exact import Cell, describe, probe_depths, probe_exact
 from ..core.model import Model, ModelConfig, ModelError, default_threads, tiled_matmul_setting
 
