@@ -430,12 +430,13 @@ def test_calibration_runs_in_a_small_context(smol_path, tmp_path):
 def test_calibration_key_follows_threads_and_build(smol_path, monkeypatch):
     """os.cpu_count() missed CPU affinity and cgroup limits, and a CUDA rebuild kept the CPU's costs."""
     import localspec.store.calibration as cal
+    from localspec.core import llama
     from localspec.core.model import Model, ModelConfig
 
     one, two = Model(smol_path, ModelConfig(n_ctx=256, n_threads=1)), Model(smol_path, ModelConfig(n_ctx=256, n_threads=2))
     assert cal.cache_key(one, None) != cal.cache_key(two, None)
     key = cal.cache_key(two, None)
-    monkeypatch.setattr(cal, "system_info", lambda: "CUDA : ARCHS = 900 | AVX512 = 1")
+    monkeypatch.setattr(llama, "system_info", lambda: "CUDA : ARCHS = 900 | AVX512 = 1")
     assert cal.cache_key(two, None) != key
     one.close()
     two.close()

@@ -154,6 +154,38 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+
+# ---- what is measured once per machine and build, kept under $LOCALSPEC_HOME/calibration ----
+def machine_key(*parts) -> str:
+    """Same CPU, build, library version and settings -> same answer."""
+    key = [platform.machine(), cpu_name(), system_info(), L.__version__, *parts]
+    return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:24]
+
+
+def read_kept(path: Path) -> dict | None:
+    """A kept measurement, or None where there is none (or it is unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def keep(path: Path, data: dict) -> None:
+    """Keep a measurement (atomically: a reader never sees half a file); where that fails (LOCALSPEC_HOME a file,
+    a full disk) say so and go on: it is measured again next time, never lost this time."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        print(f"localspec: could not keep the measurement in {path.parent} ({e.strerror or e}); it is measured "
+              "again next time (set LOCALSPEC_HOME to a writable folder)", file=sys.stderr)
+
+
 # ---- llama.cpp's AMX kernels, which a build can hold broken ----
 _amx_works: bool | None = None  # this process's verdict, once known
 # A child process loads the model with its weights in AMX's layout and decodes one batch; verbose, llama.cpp
@@ -187,14 +219,12 @@ def amx_faults(path: Path) -> bool:
     if _amx_works is not None:
         return not _amx_works
     lib = Path(L.__file__).with_name("lib")
-    key = json.dumps([platform.machine(), cpu_name(), system_info(), L.__version__,
-                      sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in lib.glob("*ggml-cpu*"))])
-    file = home() / "calibration" / f"amx-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        verdict = json.loads(file.read_text())["amx"]
-        if verdict in ("works", "faults"):
-            _amx_works = verdict == "works"
-            return not _amx_works
+    file = home() / "calibration" / "amx-{}.json".format(machine_key(
+        "amx", sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in lib.glob("*ggml-cpu*"))))
+    verdict = (read_kept(file) or {}).get("amx")
+    if verdict in ("works", "faults"):
+        _amx_works = verdict == "works"
+        return not _amx_works
     sys.stderr.write("localspec: checking that llama.cpp's AMX kernels run on this machine (once)\n")
     try:
         r = subprocess.run([sys.executable, "-c", _AMX_CHILD, str(path)], capture_output=True, text=True,
@@ -207,11 +237,7 @@ def amx_faults(path: Path) -> bool:
         _amx_works = True
     else:
         return False
-    with contextlib.suppress(OSError):
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"amx": "works" if _amx_works else "faults", "signal": -r.returncode}))
-        os.replace(tmp, file)
+    keep(file, {"amx": "works" if _amx_works else "faults", "signal": -r.returncode})
     if not _amx_works:
         sys.stderr.write(
             f"localspec: llama.cpp's AMX kernels crash on this machine (signal {-r.returncode} in a test decode): "

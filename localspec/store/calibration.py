@@ -5,18 +5,13 @@ as JSON under $LOCALSPEC_HOME/calibration, once per machine, llama.cpp build, mo
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import os
-import platform
 import sys
 import time
 from dataclasses import asdict, replace
-from importlib.metadata import version
 from pathlib import Path
 
 from ..core.costs import BATCH_SEQS, Costs, measure, measure_batch, plan
-from ..core.llama import cpu_name, system_info
+from ..core.llama import keep, machine_key, read_kept, system_info
 from ..core.exact import Cell, describe, probe_depths, probe_exact
 from ..core.model import Model, ModelConfig, ModelError, default_threads, tiled_matmul_setting
 
@@ -27,12 +22,6 @@ PROBE_FORMAT = 2  # bump when what the exact probe covers changes: older verdict
 def _ident(path: Path, cfg: ModelConfig) -> list:
     st = path.stat()
     return [str(path.resolve()), st.st_size, st.st_mtime_ns, repr(cfg)]
-
-
-def machine_key(*parts) -> str:
-    """Same CPU, build, library version and settings -> same answer. Threads are the resolved count."""
-    key = [platform.machine(), cpu_name(), system_info(), version("llama-cpp-python"), *parts]
-    return hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:24]
 
 
 def cache_key(target: Model, draft: Model | None) -> str:
@@ -46,34 +35,12 @@ def cache_key(target: Model, draft: Model | None) -> str:
     return machine_key("costs", FORMAT, ident(target), ident(draft))
 
 
-def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write(path: Path, data: dict) -> None:
-    """Keep a measurement; where that fails (LOCALSPEC_HOME a file, a full disk) say so and go on: it is measured
-    again next time, never lost this time."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        print(f"localspec: could not keep the measurement in {path.parent} ({e.strerror or e}); it is measured "
-              "again next time (set LOCALSPEC_HOME to a writable folder)", file=sys.stderr)
-
-
 def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, force: bool = False,
                     stop=None) -> Costs:
     """The cached costs for this machine and these models, measuring them (with progress) the first time.
     stop: as measure() takes it."""
     path = cache_dir / f"{cache_key(target, draft)}.json"
-    data = None if force else _read(path)
+    data = None if force else read_kept(path)
     costs = None
     if data is not None:
         with contextlib.suppress(KeyError, TypeError, ValueError):
@@ -83,13 +50,13 @@ def load_or_measure(target: Model, draft: Model | None, cache_dir: Path, *, forc
         print(f"localspec: measuring speculation costs on this machine for {target.path.name} "
               "(once; a minute to a few, by the CPU)", file=sys.stderr, flush=True)
         costs = measure(target, draft, log=log, stop=stop)
-        _write(path, asdict(costs))
+        keep(path, asdict(costs))
     wanted = [b for b in BATCH_SEQS if b < len(target.seqs)]
     if wanted and max((b for b, _ in costs.batch or ()), default=0) < wanted[-1]:
         print(f"localspec: measuring what {wanted[-1]} parallel requests cost in one decode (once)",
               file=sys.stderr, flush=True)
         costs = measure_batch(target, costs, log=log)
-        _write(path, asdict(costs))
+        keep(path, asdict(costs))
     return costs
 
 
@@ -112,7 +79,7 @@ def exact_flash_attn(path: Path, cfg: ModelConfig, cache_dir: Path, *, force: bo
     key = machine_key("exact", PROBE_FORMAT, tiled_matmul_setting(),
                       _ident(path, replace(cfg, n_ctx=16, n_threads=threads)))  # any n_ctx: the verdict says how deep
     file = cache_dir / f"exact-{key}.json"
-    seen = None if force else _read(file)
+    seen = None if force else read_kept(file)
     if not isinstance(seen, dict):
         seen = {}
     order = ("off", "on") if cfg.flash_attn == "auto" else (cfg.flash_attn,)
@@ -135,7 +102,7 @@ def exact_flash_attn(path: Path, cfg: ModelConfig, cache_dir: Path, *, force: bo
                 log(f"  {'exact' if not cells else 'not exact'} with flash attention {fa} "
                     f"({time.perf_counter() - t:.0f} s)")
             seen[fa] = {"n_ctx": cfg.n_ctx, "cells": [list(asdict(c).values()) for c in cells]}
-            _write(file, seen)
+            keep(file, seen)
         found[fa] = [c for c in cells if c.depth < cfg.n_ctx]
         if not found[fa]:
             return fa
