@@ -15,7 +15,8 @@ model's own greedy proposals at every position (with its top probabilities, for 
   - with --history, the ceiling and auto where each prompt may also draft from the outputs of the prompts before
     it in the file (what an engine with history_mb would hold): oracle-hist and auto-hist;
 and, once, the draft model's profile as model k 4: how often it drafts, how much, how much of that holds.
-A draft-model round also pays for catching the draft's cache up over the tokens since it last ran (the
+A draft-model round also pays for catching the draft's cache up over the tokens since it last ran, the prompt
+included: nothing is prefilled for free (the
 cost per token measured by the calibration; a quarter of a draft step on curves that lack it).
 
     python scripts/oracle_bound.py record --prompts shipped --out runs.json [--draft-proposals] [--threads 2]
@@ -232,8 +233,9 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
             drafter.bank, drafter.bet = 0.0, None
         else:
             learned.append(drafter)
-    if model is not None and (policy == "model4" or (policy.startswith("auto") and drafter.model_may_win(len(prompt)))):
-        model.synced = len(prompt) - 1  # prefilled with the prompt, outside the timed generation (as in a run)
+    if model is not None and policy == "model4":  # drafter 'model' prefills the draft with the prompt: paid too
+        model.synced, model.spent = len(prompt) - 1, (len(prompt) - 1) * model.fill_cost
+    # (auto catches the draft's cache up, prompt and all, only where it decides to draft from it: priced there)
     if g is not None and drafter is not None and not policy.startswith("auto"):
         from localspec.core.drafters import GrammarDrafter
 
@@ -283,11 +285,12 @@ def _ceiling(run, costs: Costs, g, c, history: SuffixCache | None = None) -> flo
             g.consume(out[t:t + 1])
     step = costs.draft_cost(len(prompt)) if props is not None else 0.0
     fill = costs.fill_cost(len(prompt)) if props is not None else 0.0
-    # best[t][s + 1]: least seconds from position t with the draft's cache reaching output position s (-1: the
-    # prompt less its last token, as prefilled before generation starts)
+    # best[t][s + 2]: least seconds from position t with the draft's cache reaching output position s (-1: the
+    # prompt less its last token); best[t][0]: with the draft's cache empty, as a request starts (its prompt's
+    # catch-up is paid like any other)
     width = n + K + 2
-    best = np.zeros((n + 1, width))
-    reach = np.arange(-1, width - 1)
+    best = np.zeros((n + 1, width + 1))
+    reach = np.concatenate([[-len(prompt)], np.arange(-1, width - 1)])
     for t in range(n - 1, -1, -1):
         row = c(1, t) + best[t + 1]
         for cand in cands[t]:
@@ -297,7 +300,7 @@ def _ceiling(run, costs: Costs, g, c, history: SuffixCache | None = None) -> flo
         if model[t]:
             m, catch_up = agreed(model[t], out[t:]), fill * np.maximum(t - reach, 0)
             for kk in range(1, len(model[t]) + 1):
-                after = best[t + min(min(m, kk) + 1, n - t), min(t + kk - 1, width - 2) + 1]
+                after = best[t + min(min(m, kk) + 1, n - t), min(t + kk - 1, width - 2) + 2]
                 row = np.minimum(row, c(kk + 1, t) + step * kk + catch_up + after)
         best[t] = row
     return float(best[0, 0])

@@ -138,6 +138,49 @@ def test_draft_model_wins_where_verification_is_nearly_free():
     assert model.calls and len(d.tokens) >= 8
 
 
+class LaggingModel(FakeModelDrafter):
+    """A draft model whose cache holds the context it last drafted from: nothing at first (not prefilled)."""
+
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        self.synced, self.caught_up = 0, []
+
+    def lag(self, context):
+        return len(context) - min(self.synced, len(context))
+
+    def propose(self, context, n):
+        self.caught_up.append(self.lag(context))
+        self.synced = len(context)
+        return super().propose(context, n)
+
+
+def test_a_long_prompt_is_caught_up_once_the_time_lost_without_the_draft_model_would_pay_for_it():
+    """Ski rental: the draft model's cache is not filled with the prompt before the first token; while only its
+    lag keeps the model out, the time it would have saved accrues, and the catch-up is made when that reaches
+    its price. So the first token never waits for it, and an answer too short to repay it never pays it."""
+    def first_model_round(fill):
+        model = LaggingModel(list(range(16)))
+        a = auto(Costs(GPU.sizes, GPU.depths, GPU.verify, GPU.draft, 0.0, (fill,)), model)
+        ctx, rounds = list(range(1000, 1300)), 0  # a 300-token prompt that never repeats itself
+        while not model.calls:
+            assert rounds < 2000
+            a.propose(ctx, 16)
+            ctx.append(5000 + rounds)
+            rounds += 1
+        assert model.caught_up == [300 + rounds - 1]  # one catch-up: the prompt and every token since
+        # an investment, not a round that lost: the account is untouched and the round is priced without it
+        assert a.bank == 0.0 and a.missed == 0.0 and a.bet[1] < 0.03
+        d = model.tokens[:model.calls[0]]
+        for _ in range(3):  # its drafts hold: where catching up is cheap it drafts again, paying one round's lag
+            ctx += d + [1]
+            d = a.propose(ctx, 16).tokens
+        assert fill > 0.001 or (len(model.calls) >= 3 and max(model.caught_up[1:]) <= 17)
+        return rounds
+
+    cheap, dear = first_model_round(0.0001), first_model_round(0.002)  # 30 ms and 600 ms to catch 300 tokens up
+    assert 2 <= cheap <= 20 and dear > 10 * cheap
+
+
 def test_draft_model_is_probed_now_and_then_and_less_often_when_it_loses():
     model = FakeModelDrafter([7] * 16)
     a = auto(GPU, model)

@@ -41,6 +41,27 @@ def test_speculative_greedy_equals_plain(smol_engine, drafter, accept):
     assert spec.text == plain.text
 
 
+def test_auto_never_makes_the_first_token_wait_for_the_draft_models_prompt(smol_engine, monkeypatch):
+    """Where the draft model may pay (a GPU's costs), auto still leaves its cache alone until the time lost
+    without it would pay for catching the prompt up: the first token never waits on the draft model, whose
+    catch-up comes later in the answer; the text is plain decoding's."""
+    from localspec.core.costs import Costs
+
+    sizes = (1, 2, 4, 8, 17, 33)
+    gpu = Costs(sizes, (256,), (tuple(0.010 + 0.0002 * n for n in sizes),), (0.002,), 0.0, (0.0003,))
+    monkeypatch.setattr(smol_engine, "_costs", gpu)
+    prompt = smol_engine.chat_tokens(MESSAGES)
+    smol_engine.draft.truncate(0)
+    rounds = []
+    r = smol_engine.generate(prompt, max_tokens=96, temperature=0, drafter="auto", trace=rounds.append)
+    sources = [row.get("source") for row in rounds]  # (the last round, with no room to draft, has none)
+    assert r.stats.draft_prompt_prefilled == 0  # nothing before the first token
+    # the first rounds decode plain while the lost time accrues; then the catch-up, and model drafts
+    assert "model" not in sources[:2] and "model" in sources
+    assert len(smol_engine.draft.tokens) > len(prompt) and r.stats.drafted > 0
+    assert r.tokens == smol_engine.generate(prompt, max_tokens=96, temperature=0, drafter="none").tokens
+
+
 def test_kv_cache_matches_token_list_after_every_round(smol_engine):
     t, d = smol_engine.target, smol_engine.draft
     params = SamplingParams(temperature=0.7)

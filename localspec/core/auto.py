@@ -178,6 +178,12 @@ class AutoDrafter:
     tokens behind: after a long stretch of plain decoding it is not probed again in that request, since a
     probe would first pay for catching its cache up.
 
+    The draft model's cache is never filled ahead of need (not even with the prompt: that would be paid
+    before the first token, whatever the request turns out to be). A long lag is caught up as an investment,
+    ski-rental style: while the lag alone keeps the model out (caught up, it would beat the round's choice),
+    the time it would have saved accrues; once that reaches the catch-up's price, the catch-up is made. So a
+    request pays at most about twice what the better of the two (catching up at once, never) would have cost.
+
     Each request also keeps the account of its drafts: the time each round saved or lost against plain
     decoding of the tokens it gave, priced with the measured costs. While the account is in deficit, a draft
     must be expected to win by a wider margin (CAUTION per plain step lost), so a text that keeps defeating
@@ -264,6 +270,8 @@ class AutoDrafter:
         self.probe_every = 64
         self.may_win: tuple[tuple[int, int], bool] | None = None  # ((n, depth bucket), model_may_win's answer)
         self.since_model = self.probe_every  # the first round the model could draft in probes it
+        # seconds the draft model would have saved so far in rounds where only its cache's lag kept it out
+        self.missed = 0.0
         # seconds this request's drafts have saved against plain decoding (< 0: lost), priced with the measured
         # costs rather than timed, so the same request still drafts the same way every time
         self.bank = 0.0
@@ -282,9 +290,9 @@ class AutoDrafter:
         return lambda m: row[np.asarray(m) - 1]
 
     def model_may_win(self, depth: int, n: int = 16) -> bool:
-        """Whether the draft model could pay on this machine at all (then its cache is kept from the prompt on).
-        Where even a draft model that is always right would not clearly beat plain decoding (slow batched
-        verify, costly draft), it is never tried: a probe would also pay for catching its cache up. Decided
+        """Whether the draft model could pay on this machine at all. Where even a draft model that is always
+        right would not clearly beat plain decoding (slow batched verify, costly draft), it is never tried: a
+        probe would also pay for catching its cache up. Decided
         at the start of each stretch of MAY_WIN_EVERY tokens of context (the costs move slowly with depth)."""
         if self.model is None or self.costs.draft is None:
             return False
@@ -344,7 +352,7 @@ class AutoDrafter:
             self.pending.append((len(context) + len(forced), guess, stats, 0, None))
             rate = stats.rates(1)
             rates, guess = (np.concatenate([rates, rate]), guess) if rate[0] >= 0.5 else (rates, [])
-        f = len(forced) + len(guess)
+        f, catch_up = len(forced) + len(guess), 0.0
         plain = 1.0 / (cost(1) + self.row_cost)  # expected tokens per second of plain decoding
         # A request whose drafts have lost time so far asks more of the next one (CAUTION), so a text that keeps
         # defeating the estimates costs little against plain decoding.
@@ -396,8 +404,14 @@ class AutoDrafter:
         if n > f and self.model_may_win(depth, n) and self.model.fits(ctx):
             # catching the draft's cache up over what it has not seen is paid before it can draft
             lag = self.model.lag(ctx)
-            model = score("model", self.model_stats.rates(n - f), self.costs.draft_cost(depth),
-                          lag * self.costs.fill_cost(depth))
+            guessed, step = self.model_stats.rates(n - f), self.costs.draft_cost(depth)
+            price = lag * self.costs.fill_cost(depth)
+            model = score("model", guessed, step, price)
+            ready = score("model", guessed, step) if lag and model[2] <= best[2] else model
+            if model[2] <= best[2] < ready[2]:  # only the lag keeps it out: the time lost buys the catch-up
+                self.missed += best[3] * (1.0 / best[2] - 1.0 / ready[2])
+                if self.missed >= price:
+                    model, catch_up, self.missed = ready, price, 0.0
             self.since_model += 1
             # a probe learns what the model is worth here, but only while its cache is nearly caught up: a
             # probe after a long gap would pay a long catch-up for one round's answer
@@ -431,8 +445,9 @@ class AutoDrafter:
                 self.pending.append((len(ctx), rest.tokens, self.model_stats, 0, None))
         d = replace(constrained(self.grammar, forced, rest, guess) if self.grammar is not None else rest, plan=plan)
         seconds = float(cost(len(d.tokens) + 1))
-        if name == "model":
-            seconds += self.costs.draft_cost(depth) * max(len(rest.tokens), 1) + lag * self.costs.fill_cost(depth)
+        if name == "model":  # (a catch-up bought as an investment is not this round's loss)
+            seconds += (self.costs.draft_cost(depth) * max(len(rest.tokens), 1) + lag * self.costs.fill_cost(depth)
+                        - catch_up)
         # a probe of the draft model counts too: the account is this request's time against plain decoding
         # (leaving probes out lowered the replay's sums, 1.3164 -> 1.3146)
         self.bet = (depth, seconds, float(cost(1)))

@@ -210,9 +210,8 @@ class Engine:
                                sample_rows=not req.sampling.greedy, grammar=grammar, prediction=prediction,
                                kinds=self.token_kinds(),
                                history=self.history.cache(scope) if self.history is not None and req.history else None)
-            # Where the draft model cannot pay on this machine even if always right (most CPUs), its cache is
-            # left alone; where it can, it is prefilled with the prompt, so drafting never waits for that.
-            return name, auto, fits and auto.model_may_win(len(tokens))
+            # the draft model's cache is caught up only once auto decides that pays (not before the first token)
+            return name, auto, False
         if name == "model":
             return name, model, True
         return name, HybridDrafter(NgramDrafter(prediction=prediction), model), fits
