@@ -16,8 +16,8 @@ model's own greedy proposals at every position (with its top probabilities, for 
     it in the file (what an engine with history_mb would hold): oracle-hist and auto-hist;
 and, once, the draft model's profile as model k 4: how often it drafts, how much, how much of that holds.
 A draft-model round also pays for catching the draft's cache up over the tokens since it last ran, the prompt
-included: nothing is prefilled for free (the
-cost per token measured by the calibration; a quarter of a draft step on curves that lack it).
+included: nothing is prefilled for free (the cost per token measured by the calibration; a quarter of a draft
+step on curves that lack it).
 
     python scripts/oracle_bound.py record --prompts shipped --out runs.json [--draft-proposals] [--threads 2]
     python scripts/oracle_bound.py replay runs.json [--costs host|amd1|amd2|intel|zen1|all] [--history]
@@ -230,7 +230,7 @@ def replay_one(run, costs: Costs, policy: str, target=None, learned: list | None
     if learned is not None:  # auto-warm: the same statistics, a fresh start on the output
         if learned:
             drafter, drafter.model, drafter.grammar, drafter.pending, drafter.run = learned[0], model, g, [], 0
-            drafter.bank, drafter.bet = 0.0, None
+            drafter.bank, drafter.bet, drafter.missed = 0.0, None, 0.0
         else:
             learned.append(drafter)
     if model is not None and policy == "model4":  # drafter 'model' prefills the draft with the prompt: paid too

@@ -154,7 +154,6 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-
 # ---- what is measured once per machine and build, kept under $LOCALSPEC_HOME/calibration ----
 def machine_key(*parts) -> str:
     """Same CPU, build, library version and settings -> same answer."""
