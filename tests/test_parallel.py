@@ -114,6 +114,46 @@ def test_a_requests_cache_is_its_own(smol_path):
         m.close()
 
 
+def test_a_common_head_is_prefilled_once_and_stays_each_requests_own_after(smol_path):
+    """Requests whose prompts start alike (one system prompt) share the cells of that head: one that comes later
+    borrows them (llama_memory_seq_cp), one asked for together borrows them when its chunk runs; its logits are
+    its own prompt's, what follows the head is its own, and it keeps the head when the other request leaves."""
+    alone = Model(smol_path, ModelConfig(n_ctx=256))
+    m = Model(smol_path, ModelConfig(n_ctx=256, n_seq=3))
+    m.batcher = Batcher()
+    try:
+        head = alone.tokenize("You are a careful assistant. Answer in one short sentence, then stop.\n")
+        a = head + alone.tokenize("Q: why is the sky blue?\nA:", add_special=False)
+        b = head + alone.tokenize("Q: why do cats purr?\nA:", add_special=False)
+        want = np.array(alone.sync(b, logits=True)[1])
+        s1, s2, s3 = m.seqs[1:]
+        decoded = []
+        run_jobs = m._run_jobs
+        m._run_jobs = lambda jobs: (run_jobs(jobs), decoded.append(sum(len(j.tokens) for j in jobs)))
+
+        def prefill(seq, tokens):
+            with m.batcher.holding(seq.id), m.batcher:
+                return seq.sync(tokens, logits=True, cancel=lambda: False)
+
+        prefill(s1, a)
+        reused, row = prefill(s2, b)  # later: borrowed at once
+        common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        assert reused == common == s2.borrowed and sum(decoded[-1:]) == len(b) - common
+        assert np.abs(np.array(row) - want).max() < 0.5  # its own prompt's logits (a batch moves them a little)
+        s1.truncate(0)  # the lender leaves: the borrower's head stays
+        assert s2.pos_max() == len(b) - 1
+        assert np.abs(np.array(s2.decode([b[-1]], logits="last")) - np.array(alone.decode([b[-1]]))).max() < 0.5
+        s2.truncate(0)
+        # asked for together: whichever runs second borrows what the first prefilled meanwhile
+        decoded.clear()
+        together([lambda: prefill(s1, a), lambda: prefill(s3, b)])
+        assert s1.borrowed + s3.borrowed >= common and sum(decoded) == len(a) + len(b) - common
+        assert s1.tokens == a and s3.tokens == b
+    finally:
+        alone.close()
+        m.close()
+
+
 @pytest.mark.slow  # 15 s: in the slow tier, which CI runs, to keep the default run within 8 minutes
 def test_sampled_output_beside_three_other_requests_has_the_targets_distribution(smol_path):
     """Rejection sampling for a request decoded beside three others: its first token, drafted by a draft whose q

@@ -242,6 +242,14 @@ class Model:
         """One llama_decode of several sequences' tokens (batch.Job: each sequence at most once, n_batch in all);
         each job gets its rows, copied out of llama.cpp's buffer unless it is alone."""
         ctx = self._live_ctx()
+        if len(self.seqs) > 1 and any(j.prefill for j in jobs):
+            with self._ctx_lock:  # a prefill chunk whose head another request prefilled since it was asked for
+                # (requests that arrive together with one system prompt) borrows it now: computed once
+                for job in jobs:
+                    if job.prefill and job.logits != "all":
+                        keep = job.logits == "last"  # the row asked for is computed, not borrowed
+                        n = job.seq._share(job.seq.tokens + list(job.tokens[:len(job.tokens) - keep]))
+                        job.tokens = job.tokens[n:]
         at = 0
         for job in jobs:
             m, p0 = len(job.tokens), len(job.seq.tokens)
@@ -257,7 +265,7 @@ class Model:
         self._batch.n_tokens = at
         t = time.perf_counter()
         with self._ctx_lock:
-            rc = L.llama_decode(ctx, self._batch)
+            rc = L.llama_decode(ctx, self._batch) if at else 0
         self.decode_s += time.perf_counter() - t
         if rc != 0:
             for job in jobs:
@@ -265,7 +273,7 @@ class Model:
             if rc == 1:
                 raise ContextFullError(f"no KV cache slot for {at} tokens (n_ctx={self.n_ctx} per sequence)")
             raise ModelError(f"llama_decode failed with code {rc}{_last_log()}")
-        out = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(at, self.n_vocab))
+        out = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(at, self.n_vocab)) if at else None
         row = 0
         for job in jobs:
             job.seq.tokens.extend(job.tokens)
@@ -310,6 +318,7 @@ class Seq:
         self.model, self.id, self.n_ctx = model, seq_id, n_ctx
         self.tokens: list[int] = []
         self.version = 0  # bumped by every change to the cache: a stream notices another user's changes
+        self.borrowed = 0  # tokens whose cells it shares with another sequence (_borrow), in all
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
@@ -369,11 +378,12 @@ class Seq:
         cancel: checked between chunks of PREFILL_CHUNK tokens; when it returns True, Cancelled is raised and
         the cache holds the chunks done so far (a later sync reuses them).
         """
-        keep = self.cached_prefix(tokens)
-        if logits:
-            keep = min(keep, len(tokens) - 1)
+        head = tokens[:len(tokens) - 1] if logits else tokens  # what may come from a cache: the rest is decoded
+        keep = self.cached_prefix(head)
         self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list
-        rest = tokens[keep:]
+        borrowed = self.borrowed
+        self._borrow(head)
+        rest = tokens[len(self.tokens):]
         if cancel is not None:
             # offloaded to a GPU, whole batches (a GPU wants them big, and gets through them fast); half batches
             # beside other requests, so their rounds fit the same decode rather than wait for the whole prefill
@@ -384,12 +394,41 @@ class Seq:
                 if cancel():
                     raise Cancelled("cancelled during the prefill")
                 self.decode(rest[:chunk], logits="none", prefill=len(rest))
-                rest = rest[chunk:]
+                rest = tokens[len(self.tokens):]  # the chunk, less what was borrowed when it ran (_run_jobs)
             if cancel():
                 raise Cancelled("cancelled during the prefill")
         # a prompt's prefill (the loop's, which can be cancelled), not a drafter catching its cache up by a token
         prefill = len(rest) if cancel is not None else 0
-        return keep, self.decode(rest, logits="last" if logits else "none", prefill=prefill)
+        row = self.decode(rest, logits="last" if logits else "none", prefill=prefill)
+        return keep + self.borrowed - borrowed, row
+
+    def _borrow(self, tokens: Sequence[int]) -> int:
+        """Where another sequence of the model holds more of `tokens` than this one (which holds a prefix of
+        them), share its cells for the difference (llama_memory_seq_cp: the unified cache marks them as this
+        sequence's too; nothing is computed or copied), as a prompt's common head (a system prompt, tool
+        definitions) is prefilled once for requests that arrive together; how many tokens it added. Only
+        identical tokens at identical positions are shared: what follows them stays each sequence's own."""
+        have = len(self.tokens)
+        # a look without the lock first: a round's catch-up rarely finds more elsewhere, and the lock waits out
+        # the decode in flight
+        if have >= len(tokens) or all(s.cached_prefix(tokens) <= have for s in self.model.seqs if s is not self):
+            return 0
+        with self.model._ctx_lock:
+            return 0 if self.model._ctx is None else self._share(tokens)
+
+    def _share(self, tokens: Sequence[int]) -> int:
+        """_borrow's work, with the model's context lock held: a token list never runs ahead of its cells (a
+        decode extends it after, a truncate shortens it before), and under the lock neither changes the cache."""
+        have = len(self.tokens)
+        src = max((s for s in self.model.seqs if s is not self), key=lambda s: s.cached_prefix(tokens))
+        n = src.cached_prefix(tokens)
+        if n <= have:
+            return 0
+        L.llama_memory_seq_cp(self.model._mem, src.id, self.id, have, n)
+        self.tokens.extend(tokens[have:n])
+        self.version += 1
+        self.borrowed += n - have
+        return n - have
 
     def pos_max(self) -> int:
         """llama.cpp's own view of the last cached position (-1 when empty)."""
