@@ -1,11 +1,13 @@
 """Concurrent clients against `localspec serve` and against llama.cpp's own server, on one machine, in one run.
 
     python scripts/bench_concurrency.py [--concurrency 1,2,4,8] [--max-tokens 64] [--pair NAME]
-        [--llama-server PATH] [--out results.json]
+        [--workload shipped|shared-head] [--llama-server PATH] [--out results.json]
 
-Each system serves the pair's target (ours with its draft model), and `c` clients each send the shipped bench
+Each system serves the pair's target (ours with its draft model), and `c` clients each send the workload's
 prompts (rendered once with the model's chat template, sent as /v1/completions text, so both servers read the
-same tokens) one after another until all are answered, streamed, at temperature 0:
+same tokens) one after another until all are answered, streamed, at temperature 0. Workloads: `shipped`, the
+8 shipped bench prompts; `shared-head`, 8 short questions under one ~800-token system prompt (an agent's
+instructions and tools, an app's document), as sub-agents or parallel tool calls send them:
   queue      localspec serve --parallel 1 (one request at a time, the rest wait: what serve did before)
   plain-N    localspec serve --parallel c --drafter none (batched plain decoding)
   auto-N     localspec serve --parallel c --drafter auto (batched, auto drafting)
@@ -13,8 +15,15 @@ same tokens) one after another until all are answered, streamed, at temperature 
              per request; built by scripts/build_llama_server.sh from the llama.cpp that llama-cpp-python carries)
 Reported per system and concurrency: aggregate tokens/s (all output tokens / wall time), tokens/s per request
 (its tokens / its time), time to first token (mean and worst, and the worst against the same prompt sent
-alone), and the ratio to the queue. The ceiling: the aggregate that batched plain decoding can reach at most on
-this machine, c x T(1) / T_c(c) from the calibrated batch surface (localspec calibrate's costs).
+alone), and the ratio to the queue. Two ceilings from the calibrated batch surface (localspec calibrate's
+costs), T_c(c) being a decode of c sequences' one token each:
+  decode     c x T(1) / T_c(c): what batched plain decoding gains at most while every client is decoding;
+  +prefill   against the queue's own run alone (its wall time W, of which P before first tokens, the prompts'
+             prefill): W / (P + N x t / (decode ceiling)) for its N output tokens, t being a plain decoding
+             step as batched plain decoding's run alone measured it (W - P of that run, per token; T(1) where
+             plain was not run): the prefill taken as it was (compute bound, so batching does not shrink it)
+             and every token decoded c at a time. About what batched plain decoding gains over the queue at
+             most (an estimate: the surface is measured at one depth); speculation beside it may add to it.
 """
 from __future__ import annotations
 
@@ -33,6 +42,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+SHARED_HEAD_QUESTIONS = ["Summarise this in one sentence.", "What does the target model do?",
+                         "Name one option it mentions.", "Is it offline? Answer yes or no.",
+                         "What is the draft model for?", "Give the project's name.", "List two of its features.",
+                         "Who is it for?"]
 
 
 def free_port() -> int:
@@ -124,6 +139,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=2048, help="context per request (both servers)")
     ap.add_argument("--llama-server", default=None, help="the peer's binary (default: scripts/build_llama_server.sh's)")
     ap.add_argument("--systems", default="queue,plain,auto,llama")
+    ap.add_argument("--workload", choices=("shipped", "shared-head"), default="shipped")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -134,8 +150,13 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     threads = args.threads or default_threads()
     spec, target, draft = resolve_pair(args.pair)
-    prompts_file = ROOT / "localspec" / "apps" / "prompts.jsonl"
-    records = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
+    if args.workload == "shipped":
+        prompts_file = ROOT / "localspec" / "apps" / "prompts.jsonl"
+        records = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
+    else:
+        head = (ROOT / "localspec" / "core" / "probe_text.txt").read_text()[:3000]
+        records = [{"messages": [{"role": "system", "content": head}, {"role": "user", "content": q}]}
+                   for q in SHARED_HEAD_QUESTIONS]
     with localspec.load(pair=args.pair, n_ctx=args.n_ctx, n_threads=threads, parallel=max(levels)) as llm:
         prompts = [llm.render_chat(r["messages"]) for r in records]
         costs = llm.calibration()
@@ -147,8 +168,8 @@ def main() -> None:
         peer = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_server.sh"), sys.executable],
                               check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_concurrency.log"
-    print(f"{len(prompts)} prompts, {args.max_tokens} tokens each, {threads} threads, n_ctx {args.n_ctx} per "
-          f"request; server logs in {log}", file=sys.stderr)
+    print(f"{len(prompts)} prompts ({args.workload}), {args.max_tokens} tokens each, {threads} threads, "
+          f"n_ctx {args.n_ctx} per request; server logs in {log}", file=sys.stderr)
     ours = [sys.executable, "-m", "localspec", "serve", "--target", str(target), "--draft", str(draft),
             "--n-ctx", str(args.n_ctx), "--threads", str(threads), "--flash-attn", "off", "--queue-size", "64"]
     results: dict[str, dict[int, dict]] = {}
@@ -180,20 +201,25 @@ def main() -> None:
             measure(system, cmd, port, c)
 
     alone = results.get("queue", {}).get(1)
+    plain = results.get("plain", {}).get(1)
+    step = ((plain["wall"] - sum(plain["ttfts"])) / plain["tokens"]) if plain else costs.verify_cost(1, 256)
     print(f"\n{'system':>8} {'c':>3} {'tok/s all':>10} {'x queue':>8} {'tok/s each':>11} {'TTFT mean':>10} "
-          f"{'TTFT max':>9} {'max/alone':>10} {'ceiling':>8}")
+          f"{'TTFT max':>9} {'max/alone':>10} {'ceiling':>8} {'+prefill':>9}")
     for c in levels:
         q = results.get("queue", {}).get(c)
         ceiling = c * costs.verify_cost(1, 256) / costs.batch_cost(c, 256, c)
+        with_prefill = (alone["wall"] / (sum(alone["ttfts"]) + alone["tokens"] * step / ceiling)) if alone \
+            else float("nan")
         for system in systems:
             r = results[system][c]
             worst = max(t / a for t, a in zip(r["ttfts"], alone["ttfts"])) if alone else float("nan")
             print(f"{system:>8} {c:>3} {r['aggregate']:>10.2f} {r['aggregate'] / q['aggregate'] if q else 0:>7.2f}x "
                   f"{r['per_request']:>11.2f} {r['ttft_mean']:>9.2f}s {r['ttft_max']:>8.2f}s {worst:>9.1f}x "
-                  f"{ceiling:>7.2f}x")
+                  f"{ceiling:>7.2f}x {with_prefill:>8.2f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps({"levels": levels, "max_tokens": args.max_tokens, "threads": threads,
-                                              "results": results, "batch": costs.batch}, indent=1))
+        Path(args.out).write_text(json.dumps({"levels": levels, "workload": args.workload,
+                                              "max_tokens": args.max_tokens, "threads": threads, "results": results,
+                                              "batch": costs.batch}, indent=1))
 
 
 if __name__ == "__main__":
