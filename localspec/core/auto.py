@@ -292,8 +292,8 @@ class AutoDrafter:
     def model_may_win(self, depth: int, n: int = 16) -> bool:
         """Whether the draft model could pay on this machine at all. Where even a draft model that is always
         right would not clearly beat plain decoding (slow batched verify, costly draft), it is never tried: a
-        probe would also pay for catching its cache up. Decided
-        at the start of each stretch of MAY_WIN_EVERY tokens of context (the costs move slowly with depth)."""
+        probe would also pay for catching its cache up. Decided at the start of each stretch of MAY_WIN_EVERY
+        tokens of context (the costs move slowly with depth)."""
         if self.model is None or self.costs.draft is None:
             return False
         key = (n, depth // self.MAY_WIN_EVERY)
@@ -352,7 +352,8 @@ class AutoDrafter:
             self.pending.append((len(context) + len(forced), guess, stats, 0, None))
             rate = stats.rates(1)
             rates, guess = (np.concatenate([rates, rate]), guess) if rate[0] >= 0.5 else (rates, [])
-        f, catch_up = len(forced) + len(guess), 0.0
+        f = len(forced) + len(guess)
+        catch_up = 0.0  # a catch-up of the draft model's cache bought as an investment (below)
         plain = 1.0 / (cost(1) + self.row_cost)  # expected tokens per second of plain decoding
         # A request whose drafts have lost time so far asks more of the next one (CAUTION), so a text that keeps
         # defeating the estimates costs little against plain decoding.
@@ -424,7 +425,6 @@ class AutoDrafter:
         plan = Plan(name, tokens, seconds)
         if name == "none":
             return Draft([], plan=plan)
-        lag = self.model.lag(ctx) if name == "model" else 0
         rest = EMPTY
         if name == "ngram":
             rest = Draft(cont[:k - f])
@@ -446,8 +446,7 @@ class AutoDrafter:
         d = replace(constrained(self.grammar, forced, rest, guess) if self.grammar is not None else rest, plan=plan)
         seconds = float(cost(len(d.tokens) + 1))
         if name == "model":  # (a catch-up bought as an investment is not this round's loss)
-            seconds += (self.costs.draft_cost(depth) * max(len(rest.tokens), 1) + lag * self.costs.fill_cost(depth)
-                        - catch_up)
+            seconds += step * max(len(rest.tokens), 1) + price - catch_up  # draft steps, its cache's catch-up
         # a probe of the draft model counts too: the account is this request's time against plain decoding
         # (leaving probes out lowered the replay's sums, 1.3164 -> 1.3146)
         self.bet = (depth, seconds, float(cost(1)))
