@@ -149,6 +149,10 @@ def test_a_common_head_is_prefilled_once_and_stays_each_requests_own_after(smol_
         together([lambda: prefill(s1, a), lambda: prefill(s3, b)])
         assert s1.borrowed + s3.borrowed >= common and sum(decoded) == len(a) + len(b) - common
         assert s1.tokens == a and s3.tokens == b
+        # another scope (another API key) borrows nothing: one key's prompts never make another's faster
+        s3.truncate(0)
+        s3.scope, before = "key-b", s3.borrowed
+        assert prefill(s3, b)[0] == 0 and s3.borrowed == before
     finally:
         alone.close()
         m.close()
@@ -197,6 +201,16 @@ def test_sampled_output_beside_three_other_requests_has_the_targets_distribution
     if exp_c[-1] == 0:
         obs_c, exp_c = obs_c[:-1], exp_c[:-1]
     assert chisquare(obs_c, exp_c).pvalue > 1e-3, (obs_c, exp_c.round(1))
+
+
+def test_a_slot_another_scope_used_is_emptied_first(par):
+    """The server's scopes (one per API key) keep to their own cached prompts, as their histories do: a request
+    reuses the prompt its own scope left in a slot, never another scope's."""
+    prompt = par.chat_tokens([{"role": "user", "content": "Name three colours."}])
+    par.generate(prompt, max_tokens=2, temperature=0, drafter="none", scope="key-a")
+    again = par.generate(prompt, max_tokens=2, temperature=0, drafter="none", scope="key-a")
+    other = par.generate(prompt, max_tokens=2, temperature=0, drafter="none", scope="key-b")
+    assert again.stats.prompt_reused > 0 and other.stats.prompt_reused == 0
 
 
 def test_slots_are_taken_and_given_back(par):

@@ -233,8 +233,9 @@ class Engine:
         with finish_reason 'cancelled'.
         trace: a callable given one dict per round (trace_row): what was drafted and accepted, how long it took,
         and with drafter='auto' what it chose and expected of the round.
-        scope: whose history this request drafts from and adds to (the server passes one per API key): one
-        scope's outputs never draft another's.
+        scope: whose history this request drafts from and adds to, and whose cached prompts it may reuse (the
+        server passes one per API key): one scope's outputs never draft another's, its prompts never make
+        another's prefill shorter.
         """
         for name, f in (("cancel", cancel), ("trace", trace)):
             if f is not None and not callable(f):
@@ -269,15 +270,17 @@ class Engine:
             facts = run(self.target, self.draft)
         else:  # in a slot, once the stream starts; its drafter is made again for the slot's sequences
             facts = self._in_slot(tokens, cancel, lambda t, d: run(
-                t, d, self._drafter(req, seed, tokens, [], grammar, scope, t, d)[1], self._batcher))
+                t, d, self._drafter(req, seed, tokens, [], grammar, scope, t, d)[1], self._batcher), scope)
         if self.history is not None and req.history:
             facts = _recorded(facts, self.history, scope, tokens)
         return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
                       prompt_tokens=len(tokens), seed=seed, notes=notes, trace=trace, halt=halt, stopped=stopped)
 
-    def _in_slot(self, prompt: list[int], cancel, run):
-        """run(target sequence, draft sequence)'s facts, in a free slot (the one caching most of the prompt),
-        given back when the stream ends."""
+    def _in_slot(self, prompt: list[int], cancel, run, scope: str = ""):
+        """run(target sequence, draft sequence)'s facts, in a free slot (of the slots last used by the same
+        scope, the one caching most of the prompt), given back when the stream ends. A slot another scope used
+        is emptied first, and a sequence borrows cells only from its own scope's (Seq._borrow): one API key's
+        prompts never make another's faster, as with history."""
         me = threading.get_ident()
         with self._slots:
             while not self._free:
@@ -288,9 +291,15 @@ class Engine:
                     yield Finish("cancelled")
                     return
                 self._slots.wait(0.1)
-            slot = max(self._free, key=lambda s: self.target.seqs[s].cached_prefix(prompt))
+            seqs = self.target.seqs
+            slot = max(self._free, key=lambda s: (seqs[s].scope == scope, seqs[s].cached_prefix(prompt)))
             self._free.remove(slot)
             self._held[slot] = me
+        if seqs[slot].scope != scope:
+            for m in (self.target, self.draft):
+                if m is not None:
+                    m.seqs[slot].truncate(0)
+                    m.seqs[slot].scope = scope
         try:
             with self._batcher.holding(slot):
                 yield from run(self.target.seqs[slot], self.draft.seqs[slot] if self.draft is not None else None)

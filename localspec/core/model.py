@@ -319,6 +319,7 @@ class Seq:
         self.tokens: list[int] = []
         self.version = 0  # bumped by every change to the cache: a stream notices another user's changes
         self.borrowed = 0  # tokens whose cells it shares with another sequence (_borrow), in all
+        self.scope = ""  # whose requests it holds (an API key's scope): it borrows only from its own scope's
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
@@ -411,7 +412,8 @@ class Seq:
         have = len(self.tokens)
         # a look without the lock first: a round's catch-up rarely finds more elsewhere, and the lock waits out
         # the decode in flight
-        if have >= len(tokens) or all(s.cached_prefix(tokens) <= have for s in self.model.seqs if s is not self):
+        if have >= len(tokens) or not any(len(s.tokens) > have and s.tokens[have] == tokens[have]
+                                          and s.cached_prefix(tokens) > have for s in self._lenders()):
             return 0
         with self.model._ctx_lock:
             return 0 if self.model._ctx is None else self._share(tokens)
@@ -420,8 +422,8 @@ class Seq:
         """_borrow's work, with the model's context lock held: a token list never runs ahead of its cells (a
         decode extends it after, a truncate shortens it before), and under the lock neither changes the cache."""
         have = len(self.tokens)
-        src = max((s for s in self.model.seqs if s is not self), key=lambda s: s.cached_prefix(tokens))
-        n = src.cached_prefix(tokens)
+        src = max(self._lenders(), key=lambda s: s.cached_prefix(tokens), default=None)
+        n = src.cached_prefix(tokens) if src is not None else 0
         if n <= have:
             return 0
         L.llama_memory_seq_cp(self.model._mem, src.id, self.id, have, n)
@@ -429,6 +431,9 @@ class Seq:
         self.version += 1
         self.borrowed += n - have
         return n - have
+
+    def _lenders(self) -> list[Seq]:
+        return [s for s in self.model.seqs if s is not self and s.scope == self.scope]
 
     def pos_max(self) -> int:
         """llama.cpp's own view of the last cached position (-1 when empty)."""
