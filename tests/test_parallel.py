@@ -203,13 +203,16 @@ def test_sampled_output_beside_three_other_requests_has_the_targets_distribution
     assert chisquare(obs_c, exp_c).pvalue > 1e-3, (obs_c, exp_c.round(1))
 
 
-def test_a_slot_another_scope_used_is_emptied_first(par):
+@pytest.mark.parametrize("engine", ["par", "solo"])
+def test_a_cache_another_scope_used_is_emptied_first(engine, request):
     """The server's scopes (one per API key) keep to their own cached prompts, as their histories do: a request
-    reuses the prompt its own scope left in a slot, never another scope's."""
-    prompt = par.chat_tokens([{"role": "user", "content": "Name three colours."}])
-    par.generate(prompt, max_tokens=2, temperature=0, drafter="none", scope="key-a")
-    again = par.generate(prompt, max_tokens=2, temperature=0, drafter="none", scope="key-a")
-    other = par.generate(prompt, max_tokens=2, temperature=0, drafter="none", scope="key-b")
+    reuses the prompt its own scope left in a slot (or in the one sequence of parallel 1), never another
+    scope's."""
+    llm = request.getfixturevalue(engine)
+    prompt = llm.chat_tokens([{"role": "user", "content": "Name three colours."}])
+    llm.generate(prompt, max_tokens=2, temperature=0, drafter="none", scope="key-a")
+    again = llm.generate(prompt, max_tokens=2, temperature=0, drafter="none", scope="key-a")
+    other = llm.generate(prompt, max_tokens=2, temperature=0, drafter="none", scope="key-b")
     assert again.stats.prompt_reused > 0 and other.stats.prompt_reused == 0
 
 

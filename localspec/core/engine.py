@@ -267,7 +267,7 @@ class Engine:
                              grammar=grammar or Unconstrained(), top_logprobs=req.logprobs)
 
         if self._batcher is None:
-            facts = run(self.target, self.draft)
+            facts = self._scoped(run(self.target, self.draft), scope)
         else:  # in a slot, once the stream starts; its drafter is made again for the slot's sequences
             facts = self._in_slot(tokens, cancel, lambda t, d: run(
                 t, d, self._drafter(req, seed, tokens, [], grammar, scope, t, d)[1], self._batcher), scope)
@@ -295,12 +295,8 @@ class Engine:
             slot = max(self._free, key=lambda s: (seqs[s].scope == scope, seqs[s].cached_prefix(prompt)))
             self._free.remove(slot)
             self._held[slot] = me
-        if seqs[slot].scope != scope:
-            for m in (self.target, self.draft):
-                if m is not None:
-                    m.seqs[slot].truncate(0)
-                    m.seqs[slot].scope = scope
         try:
+            self._claim(slot, scope)
             with self._batcher.holding(slot):
                 yield from run(self.target.seqs[slot], self.draft.seqs[slot] if self.draft is not None else None)
         finally:
@@ -308,6 +304,22 @@ class Engine:
                 del self._held[slot]
                 self._free.append(slot)
                 self._slots.notify()
+
+    def _scoped(self, facts, scope: str):
+        """facts, in the one sequence all streams take turns in (parallel 1), claimed for scope first."""
+        with self._lock:
+            self._claim(0, scope)
+        yield from facts
+
+    def _claim(self, slot: int, scope: str) -> None:
+        """Empty a sequence's cache (both models') that another scope used last: one scope's prompts never make
+        another's prefill shorter (streams of two scopes interleaved in one sequence still reuse each other's
+        common head while both run; the server runs one at a time there)."""
+        if self.target.seqs[slot].scope != scope:
+            for m in (self.target, self.draft):
+                if m is not None:
+                    m.seqs[slot].truncate(0)
+                    m.seqs[slot].scope = scope
 
     def generate(self, prompt: str | Sequence[int], **options) -> Result:
         """Generate to the end and return the text, tokens, from_draft flags, finish_reason and stats."""
