@@ -374,9 +374,10 @@ def test_sampling_cost_per_row_counts_at_temperature_above_zero():
 
 def test_calibration_plan_fits_small_contexts():
     """--n-ctx 256 crashed calibration: no batch size fit once 256 tokens were cached."""
-    assert plan(4096, 512) == ((256, 1024), SIZES)
+    from localspec.core import costs as measured
+    assert plan(4096, 512) == ((256, 1024), measured.SIZES)
     depths, sizes = plan(256, 256)
-    assert depths == (128,) and sizes == SIZES
+    assert depths == (128,) and sizes == measured.SIZES
     depths, sizes = plan(16, 16)
     assert depths == (8,) and sizes[0] == 1 and depths[0] + sizes[-1] <= 16
     assert plan(1000, 512)[0] == (256,)
@@ -459,6 +460,22 @@ def test_calibration_prices_the_rebuild_after_a_verify_and_the_quiet_machine(mon
         want = np.maximum.accumulate([1.0] + [0.8 * n + 0.1 for n in c.sizes[1:]])
         assert ratios == pytest.approx(want)
         assert 1.0 <= row[0] <= 1.2  # the step: the median over quiet and busy passes
+
+
+def test_a_wider_verify_that_costs_less_is_kept_and_drafted_into(monkeypatch):
+    """llama.cpp's CPU kernels take a batch's rows in blocks, so a verify of 16 can cost less than one of 13 (a
+    2-vCPU Xeon: 277 against 290 ms). The calibration keeps the dip (it once made the curve non-decreasing,
+    pricing 16 as 14) and auto, sure of a long copy, drafts 15 into it rather than 12."""
+    import localspec.core.costs as C
+
+    m = _Clocked(lambda n: 1.0 if n == 1 else 4.0 if n == 16 else 0.3 + 0.3 * n, rebuild=0.0)
+    monkeypatch.setattr(C, "time", m)
+    c = measure(m, None, reps=2)
+    row = dict(zip(c.sizes, c.verify[0]))
+    assert row[16] < row[13] < row[17] and row[16] == pytest.approx(4.0)
+    assert len(confident(auto(c)).propose(REPEATING, 16).tokens) == 15
+    smooth = Costs(c.sizes, c.depths, (tuple(np.maximum.accumulate(c.verify[0])),), None, 0.0)
+    assert len(confident(auto(smooth)).propose(REPEATING, 16).tokens) != 15
 
 
 def test_calibration_runs_in_a_small_context(smol_path, tmp_path):

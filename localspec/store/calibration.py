@@ -15,7 +15,7 @@ from ..core.llama import keep, machine_key, read_kept, system_info
 from ..core.exact import Cell, describe, probe_depths, probe_exact
 from ..core.model import Model, ModelConfig, ModelError, default_threads, tiled_matmul_setting
 
-FORMAT = 8  # bump when the cached cost files change shape or how they are measured
+FORMAT = 9  # bump when the cached cost files change shape or how they are measured
 PROBE_FORMAT = 2  # bump when what the exact probe covers changes: older verdicts are then not trusted
 
 
