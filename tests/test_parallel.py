@@ -259,7 +259,7 @@ def test_parallel_auto_is_one_where_a_wider_decode_costs_in_proportion():
 def test_a_draft_in_a_batch_is_priced_as_its_share_of_the_round():
     """Alone, a verify of n costs T(n). Beside others' w tokens in b sequences, plain decoding's share is
     T(w + 1) / b and each draft token adds what it adds to the whole round."""
-    from localspec.core.costs import Shared
+    from localspec.core.costs import Costs, Shared
 
     c = _costs((40, 60, 100, 180, 340))
     assert Shared(c, lambda: (0, 1)).verify_cost(4) == pytest.approx(c.verify_cost(4))
@@ -267,6 +267,11 @@ def test_a_draft_in_a_batch_is_priced_as_its_share_of_the_round():
     assert shared.verify_cost(1) == pytest.approx(c.verify_cost(4) / 4)
     assert shared.verify_cost(5) - shared.verify_cost(1) == pytest.approx(c.verify_cost(8) - c.verify_cost(4))
     assert np.allclose(shared.verify_cost(np.array([1, 5])), [shared.verify_cost(1), shared.verify_cost(5)])
+    # a dip (a wider decode cheaper, as CPU kernels take rows in blocks) is priced at its envelope beside others:
+    # every request deciding at once would chase it; alone it is taken
+    dip = Costs((1, 2, 4, 8, 12, 16), (256,), ((0.04, 0.06, 0.1, 0.18, 0.3, 0.25),), None, 0.0)
+    assert Shared(dip, lambda: (3, 4)).verify_cost(13) == pytest.approx(0.3 - 0.1 + 0.1 / 4)
+    assert Shared(dip, lambda: (0, 1)).verify_cost(16) == pytest.approx(0.25)
 
 
 class _Recorder:
