@@ -1,6 +1,6 @@
 """What speculation costs on this machine, as `auto` prices it: the target's verify time by batch size at two
 context depths, the draft's time per token and per token of catching its cache up, and the time to turn a
-logit row into a sampling distribution (about two minutes to measure on a 2-core CPU).
+logit row into a sampling distribution (about three minutes to measure on a 2-core CPU).
 store.calibration keeps them, once per machine, build, model files and settings.
 """
 from __future__ import annotations
