@@ -175,10 +175,13 @@ def draft_profile(run, p_min: float = 0.75, k: int = 4) -> dict[str, float]:
             "cold_drafts": rounds[False][1] / max(rounds[False][0], 1)}
 
 
-def earlier(runs, i: int) -> SuffixCache:
+def earlier(runs, i: int, learned: dict | None = None) -> SuffixCache:
     """The history an engine would hold before run i: the outputs of the runs before it (after their prompts'
-    last PROMPT_TAIL tokens), as Engine.history records them."""
+    last PROMPT_TAIL tokens), as Engine.history records them; `learned`: what auto learned of it in the runs
+    before (SuffixCache.learned), carried over as the engine does."""
     h = SuffixCache(64 << 20)
+    if learned is not None:
+        h.learned = learned
     for r in runs[:i]:
         h.add([*r["prompt"][-PROMPT_TAIL:], *r["out"]])
     return h
@@ -342,9 +345,10 @@ def replay(a) -> None:
         print("|---" * (len(policies) + 2) + "|")
         ratios = {p: [] for p in policies}
         bare = []  # the ceiling without the draft model, per prompt (printed only where it drafted)
+        learned = {}  # auto's history statistics, carried from run to run as a scope's are
         for i, run in enumerate(data["runs"]):
             plain = replay_one(run, costs, "none", target)
-            history = earlier(data["runs"], i) if a.history else None
+            history = earlier(data["runs"], i, learned) if a.history else None
             row = {p: plain / replay_one(run, costs, p, target, history=history) for p in policies}
             for p in policies:
                 ratios[p].append(row[p])

@@ -609,3 +609,26 @@ def test_a_copy_whose_first_token_holds_is_expected_to_go_on():
             s.update(1, 1)
     d = a.propose(prompt + [110, 111], 16)  # "110 111" occurs in the prompt, followed by 112...
     assert d.plan.source == "ngram" and d.tokens[:4] == [112, 113, 114, 115]
+
+
+def test_history_statistics_are_the_scopes_learned_across_its_requests():
+    """An agent whose steps open with different tool calls: every earlier output opened alike after the same
+    turn header, so the first request bets on that opening. Each request that opens otherwise teaches the scope
+    (SuffixCache.learned), and a few requests on the opening is no longer drafted; another scope's store still
+    starts from the priors, and later rounds (not the opening) keep their own statistics."""
+    from localspec.core.history import SuffixCache
+
+    header = [1, 2, 3, 4, 5, 6]  # the end of every prompt: the chat template's turn header, say
+    store, other = SuffixCache(1 << 20), SuffixCache(1 << 20)
+    for s in (store, other):
+        for _ in range(10):
+            s.add([*header, 100, 101, 102, 103, 104, 105])
+    prompt = [50, 51, *header]
+    opened = []
+    for step in range(6):
+        a = auto(INTEL, history=store)
+        opened.append(a.propose(prompt, 16).tokens[:1] == [100])
+        a.propose([*prompt, 200 + step], 16)  # it opened otherwise: the bet is scored
+    assert opened[0] and not opened[-1]
+    assert {key[2] for key in store.learned} == {True}  # learned at openings only
+    assert auto(INTEL, history=other).propose(prompt, 16).tokens[:1] == [100]

@@ -254,6 +254,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     if "auto" in methods:
         llm.calibration()  # calibrate (once per machine and models) before anything is timed
     rows, earlier = [], []  # earlier: (prompt tokens, plain output) of the prompts before, for auto-hist
+    learned: dict = {}  # what auto-hist learned of drafting from the history, carried on as a scope's is
     own_history = llm.history
     for p, tokens in zip(prompts, prompt_tokens):
         if p["id"] in kept:
@@ -272,7 +273,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
                     r = _peer(peer, tokens, max_tokens, temperature, seed, schema)
                 else:
                     rounds = []
-                    llm.history = _history(earlier) if m == "auto-hist" else None  # its own run is not kept
+                    llm.history = _history(earlier, learned) if m == "auto-hist" else None  # its own run is not kept
                     try:
                         r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema, p.get("prediction"),
                                   rounds.append)
@@ -306,13 +307,15 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     return rows
 
 
-def _history(earlier: list[tuple[list[int], list[int]]]):
-    """A history holding the plain outputs of the prompts run before (what an app's earlier requests left)."""
+def _history(earlier: list[tuple[list[int], list[int]]], learned: dict):
+    """A history holding the plain outputs of the prompts run before (what an app's earlier requests left), and
+    what drafting from it was worth in the auto-hist runs before (SuffixCache.learned)."""
     from ..core.history import History
 
     h = History(HISTORY_MB)
     for prompt, output in earlier:
         h.record("", prompt, output)
+    h.cache("").learned = learned
     return h
 
 

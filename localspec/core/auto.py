@@ -201,7 +201,9 @@ class AutoDrafter:
 
     One AutoDrafter serves one request and starts from the same priors every time: its decisions depend on
     the request alone, so the same request drafts the same way (and, at temperature 0, gives the same
-    text) however many requests came before it.
+    text) however many requests came before it. Drafting from a history (off by default) is the exception:
+    what earlier requests wrote, and what drafting from it was worth to them (its statistics are the scope's,
+    learned across its requests), decide too.
     """
 
     # Speculate only when it is expected to beat plain decoding by this factor: the estimates are noisy, and
@@ -267,11 +269,12 @@ class AutoDrafter:
         self.guess_stats: dict[int, AcceptanceStats] = {}  # by token: how often the model wrote each guess
         # a prediction is the client's own guess at the output: aligned with it, the output tends to follow it
         self.prediction_stats = {run: AcceptanceStats(k_max, prior) for run, prior in ((0, 0.5), (1, 0.7), (2, 0.9))}
-        # history: by the size of the match (3, 4-5, 6+ tokens) and how many earlier places agree (1, 2-3, 4+);
-        # a long match that many earlier outputs share (a JSON record's keys, a tool call's skeleton) holds
-        # most often. Learned per request like the rest, from these priors.
-        self.history_stats = {(size, support): AcceptanceStats(k_max, min(0.15 + 0.1 * (size // 2) + 0.1 * support, 0.7))
-                              for size in (3, 4, 6) for support in (0, 1, 2)}
+        # history: by the size of the match (3, 4-5, 6+ tokens), how many earlier places agree (1, 2-3, 4+) and
+        # whether it opens the output (a match then may be the chat template's turn header alone); a long match
+        # that many earlier outputs share (a JSON record's keys, a tool call's skeleton) holds most often.
+        # Learned across the scope's requests (kept with its history), from these priors.
+        self.history_stats = history.learned if history is not None else {}
+        self.k_max = k_max
         self.probe_every = 64
         self.may_win: tuple[tuple[int, int], bool] | None = None  # ((n, depth bucket), model_may_win's answer)
         self.since_model = self.probe_every  # the first round the model could draft in probes it
@@ -285,8 +288,7 @@ class AutoDrafter:
         # guesses not settled yet: (position, tokens, whose stats, how many leading ones are counted already,
         # the KindOdds that also learn from them)
         self.pending: list[tuple[int, list[int], AcceptanceStats, int, KindOdds | None]] = []
-        self._ngram_set = (set(self.ngram_stats.values()) | set(self.prediction_stats.values())
-                           | set(self.history_stats.values()))
+        self._ngram_set = set(self.ngram_stats.values()) | set(self.prediction_stats.values())
 
     def _cost(self, depth: int, n: int):
         """cost(m): seconds of a verify of m tokens (1..n + 1, a number or an array) at this depth, the curve
@@ -401,8 +403,13 @@ class AutoDrafter:
                 if hcont and self.grammar is not None:
                     hcont = hcont[:max(len(constrained(self.grammar, forced, Draft(hcont), guess).tokens) - f, 0)]
             if hcont:
-                stats = self.history_stats[_history_bucket(found.size),
-                                           0 if found.support == 1 else 1 if found.support < 4 else 2]
+                size, support = _history_bucket(found.size), 0 if found.support == 1 else 1 if found.support < 4 else 2
+                key = (size, support, depth == self.output_from and not f)
+                stats = self.history_stats.get(key)
+                if stats is None:
+                    stats = self.history_stats.setdefault(
+                        key, AcceptanceStats(self.k_max, min(0.15 + 0.1 * (size // 2) + 0.1 * support, 0.7)))
+                self._ngram_set.add(stats)
                 self.pending.append((len(ctx), hcont, stats, 0, None))
                 best = max(best, score("history", stats.rates(len(hcont))), key=lambda b: b[2])
             if not cont and not pcont and not hcont:

@@ -57,6 +57,9 @@ class SuffixCache:
         self.starts: list[int] = []  # where each stored sequence begins
         self.index: dict[int, int | list[int]] = {}  # anchor key -> position(s) of the anchor's last token
         self.lock = threading.Lock()
+        # what drafting from this scope's history has been worth, learned across its requests (auto keeps its
+        # AcceptanceStats here, by the match's features): an app's outputs repeat in ways its requests share
+        self.learned: dict = {}
 
     @property
     def nbytes(self) -> int:
