@@ -1,13 +1,16 @@
 """Concurrent clients against `localspec serve` and against llama.cpp's own server, on one machine, in one run.
 
     python scripts/bench_concurrency.py [--concurrency 1,2,4,8] [--max-tokens 64] [--pair NAME]
-        [--workload shipped|shared-head] [--llama-server PATH] [--out results.json]
+        [--workload shipped|stream|shared-head] [--llama-server PATH] [--out results.json]
 
 Each system serves the pair's target (ours with its draft model), and `c` clients each send the workload's
 prompts (rendered once with the model's chat template, sent as /v1/completions text, so both servers read the
 same tokens) one after another until all are answered, streamed, at temperature 0. Workloads: `shipped`, the
-8 shipped bench prompts; `shared-head`, 8 short questions under one ~800-token system prompt (an agent's
-instructions and tools, an app's document), as sub-agents or parallel tool calls send them:
+8 shipped bench prompts; `stream`, those and the 15 held-out ones (scripts/holdout_prompts.jsonl), 23 in all:
+a longer stream of requests, in which the end of the burst (fewer requests left than clients, longer the more
+their speeds differ, as speculation makes them) weighs less; `shared-head`, 8 short questions under one
+~800-token system prompt (an agent's instructions and tools, an app's document), as sub-agents or parallel tool
+calls send them:
   queue      localspec serve --parallel 1 (one request at a time, the rest wait: what serve did before)
   plain-N    localspec serve --parallel c --drafter none (batched plain decoding)
   auto-N     localspec serve --parallel c --drafter auto (batched, auto drafting)
@@ -15,8 +18,9 @@ instructions and tools, an app's document), as sub-agents or parallel tool calls
              per request; built by scripts/build_llama_server.sh from the llama.cpp that llama-cpp-python carries)
 Reported per system and concurrency: aggregate tokens/s (all output tokens / wall time), tokens/s per request
 (its tokens / its time), time to first token (mean and worst, and the worst against the same prompt sent
-alone), and the ratio to the queue. Two ceilings from the calibrated batch surface (localspec calibrate's
-costs), T_c(c) being a decode of c sequences' one token each:
+alone, with its floor: the least any server can give the first c prompts arriving together where prefill is
+compute bound, see ttft_floor), and the ratio to the queue. Two ceilings from the calibrated batch surface
+(localspec calibrate's costs), T_c(c) being a decode of c sequences' one token each:
   decode     c x T(1) / T_c(c): what batched plain decoding gains at most while every client is decoding;
   +prefill   against the queue's own run alone (its wall time W, of which P before first tokens, the prompts'
              prefill): W / (P + N x t / (decode ceiling)) for its N output tokens, t being a plain decoding
@@ -124,6 +128,19 @@ def run_clients(port: int, prompts: list[str], clients: int, max_tokens: int) ->
             "ttfts": [r["ttft"] for r in rows]}
 
 
+def ttft_floor(alone: list[float]) -> float:
+    """The lowest worst-client time to first token against alone that any server can give prompts that arrive
+    together, where a prompt's prefill takes the machine its time alone whatever runs beside it (compute bound,
+    a CPU's case): whichever prompt's first token comes last waited for all of them, and taking them shortest
+    first puts the least of that on any one (a lower bound: the rounds of requests already answering are left
+    out)."""
+    waited, worst = 0.0, 1.0
+    for a in sorted(alone):
+        waited += a
+        worst = max(worst, waited / a)
+    return worst
+
+
 def serve(cmd: list[str], port: int, log: Path):
     proc = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
     wait_ready(port, proc)
@@ -139,7 +156,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=2048, help="context per request (both servers)")
     ap.add_argument("--llama-server", default=None, help="the peer's binary (default: scripts/build_llama_server.sh's)")
     ap.add_argument("--systems", default="queue,plain,auto,llama")
-    ap.add_argument("--workload", choices=("shipped", "shared-head"), default="shipped")
+    ap.add_argument("--workload", choices=("shipped", "stream", "shared-head"), default="shipped")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -150,9 +167,10 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     threads = args.threads or default_threads()
     spec, target, draft = resolve_pair(args.pair)
-    if args.workload == "shipped":
-        prompts_file = ROOT / "localspec" / "apps" / "prompts.jsonl"
-        records = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
+    if args.workload in ("shipped", "stream"):
+        files = [ROOT / "localspec" / "apps" / "prompts.jsonl"]
+        files += [ROOT / "scripts" / "holdout_prompts.jsonl"] if args.workload == "stream" else []
+        records = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
     else:
         head = (ROOT / "localspec" / "core" / "probe_text.txt").read_text()[:3000]
         records = [{"messages": [{"role": "system", "content": head}, {"role": "user", "content": q}]}
@@ -203,19 +221,21 @@ def main() -> None:
     alone = results.get("queue", {}).get(1)
     plain = results.get("plain", {}).get(1)
     step = ((plain["wall"] - sum(plain["ttfts"])) / plain["tokens"]) if plain else costs.verify_cost(1, 256)
-    print(f"\n{'system':>8} {'c':>3} {'tok/s all':>10} {'x queue':>8} {'tok/s each':>11} {'TTFT mean':>10} "
-          f"{'TTFT max':>9} {'max/alone':>10} {'ceiling':>8} {'+prefill':>9}")
+    print(f"\n{'system':>8} {'c':>3} {'tok/s all':>10} {'x queue':>8} "
+          f"{'tok/s each':>11} {'TTFT mean':>10} {'TTFT max':>9} {'max/alone':>10} {'floor':>6} {'ceiling':>8} "
+          f"{'+prefill':>9}")
     for c in levels:
         q = results.get("queue", {}).get(c)
         ceiling = c * costs.verify_cost(1, 256) / costs.batch_cost(c, 256, c)
         with_prefill = (alone["wall"] / (sum(alone["ttfts"]) + alone["tokens"] * step / ceiling)) if alone \
             else float("nan")
+        floor = ttft_floor(alone["ttfts"][:c]) if alone else float("nan")
         for system in systems:
             r = results[system][c]
             worst = max(t / a for t, a in zip(r["ttfts"], alone["ttfts"])) if alone else float("nan")
             print(f"{system:>8} {c:>3} {r['aggregate']:>10.2f} {r['aggregate'] / q['aggregate'] if q else 0:>7.2f}x "
                   f"{r['per_request']:>11.2f} {r['ttft_mean']:>9.2f}s {r['ttft_max']:>8.2f}s {worst:>9.1f}x "
-                  f"{ceiling:>7.2f}x {with_prefill:>8.2f}x")
+                  f"{floor:>5.1f}x {ceiling:>7.2f}x {with_prefill:>8.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps({"levels": levels, "workload": args.workload,
                                               "max_tokens": args.max_tokens, "threads": threads, "results": results,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -365,6 +366,19 @@ def replay(a) -> None:
             print(f"with the history of the runs before each: the ceiling {g['oracle-hist']:.2f}x, auto-hist "
                   f"{g['auto-hist']:.2f}x ({(g['auto-hist'] - 1) / max(g['oracle-hist'] - 1, 1e-9):.0%} of its gain; "
                   f"{g['auto-hist'] / g['auto']:.2f}x auto without it)")
+            # per workload (a prompt id less its number): what history adds at most over auto without it is the
+            # ceiling with history over auto; where that is short of a goal, no policy reaches the goal
+            groups: dict[str, list[int]] = {}
+            for i, run in enumerate(data["runs"]):
+                groups.setdefault(re.sub(r"[-_]?\d+$", "", run["id"]), []).append(i)
+            print("| workload | prompts | auto | auto-hist | auto-hist / auto | ceiling | ceiling-hist "
+                  "| ceiling-hist / auto |")
+            print("|---" * 8 + "|")
+            for w, idx in groups.items():
+                r = {p: gm([ratios[p][i] for i in idx]) for p in ("auto", "auto-hist", "oracle", "oracle-hist")}
+                print(f"| {w} | {len(idx)} | {r['auto']:.2f}x | {r['auto-hist']:.2f}x | "
+                      f"{r['auto-hist'] / r['auto']:.2f}x | {r['oracle']:.2f}x | {r['oracle-hist']:.2f}x | "
+                      f"{r['oracle-hist'] / r['auto']:.2f}x |")
         if bare:  # how much of the ceiling is the draft model's, and auto's share of the rest
             print(f"the ceiling without the draft model: {gm(bare):.2f}x (auto captures "
                   f"{(g['auto'] - 1) / max(gm(bare) - 1, 1e-9):.0%} of its gain)")

@@ -356,3 +356,17 @@ def test_auto_hist_drafts_from_the_prompts_before_it_and_only_those(smol_engine)
     assert again.same_as_plain and first.same_as_plain
     assert again.acceptance and again.mean_accepted > (first.mean_accepted or 0.0)
     assert smol_engine.history is None
+
+
+def test_the_first_token_floor_takes_prompts_that_arrive_together_shortest_first():
+    """scripts/bench_concurrency.py's floor under the worst client's time to first token against alone."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_concurrency.py"
+    spec = importlib.util.spec_from_file_location("bench_concurrency", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.ttft_floor([1.0]) == 1.0
+    assert mod.ttft_floor([2.0, 2.0]) == 2.0  # one of two equal prompts waits for the other
+    # 0.46 first (1x), 0.49 after it (1.94x), 0.81 after both (2.17x), 2.06 last (1.85x)
+    assert mod.ttft_floor([0.81, 0.49, 0.46, 2.06]) == (0.46 + 0.49 + 0.81) / 0.81

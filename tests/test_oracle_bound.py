@@ -60,6 +60,14 @@ def test_record_then_replay_bounds_every_policy(smol_path, tmp_path):
     ceilings = [float(x) for x in re.findall(r"\| \*\*geomean\*\* \| \*\*(\d+\.\d+)x\*\*", out)]
     assert len(bare) == len(ceilings) == 5
     assert all(1.0 <= b <= c + 0.005 for b, c in zip(bare, ceilings))   # fewer candidates, never a higher bound
+    # with the history of the runs before each, per workload: the ceiling with it bounds auto with it
+    out = subprocess.run([sys.executable, str(SCRIPT), "replay", str(rec), "--costs", "host", "--history"],
+                         check=True, capture_output=True, text=True, timeout=600).stdout
+    table = out[out.index("| workload |"):].splitlines()
+    assert [line.split("|")[1].strip() for line in table[2:4]] == ["repeat", "json"]
+    for line in table[2:4]:
+        auto, hist, gain, ceiling, ceiling_hist, most = map(float, re.findall(r"(\d+\.\d+)x", line))
+        assert ceiling_hist >= hist - 1e-9 and most >= gain - 0.005 and abs(gain - hist / auto) < 0.01, line
 
 
 def _ceiling_seconds(fill_ms: float | None) -> tuple[float, float]:
