@@ -9,7 +9,8 @@ of the last decode), so it delays the others by little and joins again next roun
 
 Prompts are prefilled one at a time per model, the shortest first (one chunk per decode, beside the other
 requests' rounds): requests that arrive together then see their first tokens in turn, a short one soon, instead
-of all at the end of every prefill. A prefill passed over counts as one chunk shorter each time, so a long
+of all at the end of every prefill. An idle batcher waits a moment (GATHER) when a prompt arrives, so that the
+shortest of the prompts sent with it goes first, not whichever reached it first. A prefill passed over counts as one chunk shorter each time, so a long
 prompt is not put off for ever by short ones. A request's first round, right after its prefill, waits for no
 chunk: the decode it is in holds the rounds only (its first token would otherwise wait out the next prompt's).
 
@@ -46,6 +47,10 @@ class Batcher:
     LINGER = (0.001, 0.02)  # seconds a decode waits at most for a request that is away: a quarter of the last
     # decode, within these bounds
     AGING = 128  # tokens a waiting prefill counts as shorter each time another is run before it
+    GATHER = (0.0005, 0.01)  # seconds an idle batcher waits, when a prompt arrives, for others arriving with it
+    # (a fiftieth of its first chunk's time as the latest prefill measured it, within these bounds), so that
+    # the shortest of them goes first and not whichever came first: requests sent together reach it within a
+    # few milliseconds (HTTP, tokenizing), and a prefill chunk takes a machine from milliseconds to seconds
 
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
@@ -61,6 +66,8 @@ class Batcher:
         # latest decode with others
         self._passed: dict[object, int] = {}  # seq -> decodes its prefill has been passed over in since it ran
         self._prefilled: set[object] = set()  # seqs whose latest decode was a prefill chunk
+        self._gather_until = 0.0  # an idle batcher's first prefill waits until then for others (GATHER)
+        self._per_token = 0.0  # seconds a token of the latest decode with a prefill chunk took (0: none yet)
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="localspec-decode")
 
     # -- who takes part --
@@ -131,6 +138,9 @@ class Batcher:
             (self._prefilled.add if prefill else self._prefilled.discard)(seq)
             if not self._jobs:
                 self._since = time.perf_counter()
+                if prefill and not self._running:  # a prompt reaches an idle batcher: others may come with it
+                    share = len(tokens) * self._per_token / 50 if self._per_token else self.GATHER[1]
+                    self._gather_until = self._since + min(max(share, self.GATHER[0]), self.GATHER[1])
             self._jobs.append(job)
             self._thread_of[seq.id] = job.thread
             self._cond.notify_all()
@@ -139,12 +149,15 @@ class Batcher:
                 if wait is None or wait > 0:
                     self._cond.wait(wait)
                     continue
-                groups, self._running = self._take(), True
+                groups, self._running, self._gather_until = self._take(), True, 0.0
                 self._cond.release()
                 try:
                     t = time.perf_counter()
                     self._decoder.submit(self._run, groups).result()
                     self._last_s = time.perf_counter() - t
+                    jobs = [j for js in groups.values() for j in js]
+                    if any(j.prefill for j in jobs):
+                        self._per_token = self._last_s / sum(len(j.tokens) for j in jobs)
                 finally:
                     self._cond.acquire()
                     self._running = False
@@ -164,7 +177,11 @@ class Batcher:
         waiting = {j.thread for j in self._jobs}
         # a request read by a thread that waits here for another one's decode cannot ask (one thread reading
         # several streams in turn): nobody waits for it
-        if self._exclusive is not None or all(self._thread_of.get(s) in waiting for s in self._held - asked):
+        if self._exclusive is not None:
+            return 0.0
+        if all(j.prefill for j in self._jobs) and self._gather_until > time.perf_counter():
+            return self._gather_until - time.perf_counter()
+        if all(self._thread_of.get(s) in waiting for s in self._held - asked):
             return 0.0
         linger = min(max(self._last_s / 4, self.LINGER[0]), self.LINGER[1])
         return max(self._since + linger - time.perf_counter(), 0.0)
