@@ -147,11 +147,6 @@ def _bucket(size: int) -> int:
     return size if size <= 3 else 4 if size <= 5 else 6
 
 
-def _history_bucket(size: int) -> int:
-    """History matches (3 tokens at least) that predict alike: 3, 4-5, 6 and more."""
-    return 3 if size < 4 else 4 if size < 6 else 6
-
-
 def _best(rates: np.ndarray, cost, extra_per_token: float = 0.0, per_emitted: float = 0.0,
           start: int = 0, fixed: float = 0.0) -> tuple[int, float, float, float]:
     """(K, expected tokens per second, expected tokens per round, expected seconds per round) of the best
@@ -403,7 +398,8 @@ class AutoDrafter:
                 if hcont and self.grammar is not None:
                     hcont = hcont[:max(len(constrained(self.grammar, forced, Draft(hcont), guess).tokens) - f, 0)]
             if hcont:
-                size, support = _history_bucket(found.size), 0 if found.support == 1 else 1 if found.support < 4 else 2
+                size = max(_bucket(found.size), 3)  # history matches are 3 tokens at least: 3, 4-5, 6+
+                support = 0 if found.support == 1 else 1 if found.support < 4 else 2
                 key = (size, support, depth == self.output_from and not f)
                 stats = self.history_stats.get(key)
                 if stats is None:

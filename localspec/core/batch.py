@@ -10,9 +10,10 @@ of the last decode), so it delays the others by little and joins again next roun
 Prompts are prefilled one at a time per model, the shortest first (one chunk per decode, beside the other
 requests' rounds): requests that arrive together then see their first tokens in turn, a short one soon, instead
 of all at the end of every prefill. An idle batcher waits a moment (GATHER) when a prompt arrives, so that the
-shortest of the prompts sent with it goes first, not whichever reached it first. A prefill passed over counts as one chunk shorter each time, so a long
-prompt is not put off for ever by short ones. A request's first round, right after its prefill, waits for no
-chunk: the decode it is in holds the rounds only (its first token would otherwise wait out the next prompt's).
+shortest of the prompts sent with it goes first, not whichever reached it first. A prefill passed over counts
+as one chunk shorter each time, so a long prompt is not put off for ever by short ones. A request's first
+round, right after its prefill, waits for no chunk: the decode it is in holds the rounds only (its first token
+would otherwise wait out the next prompt's).
 
 Every joined decode runs on one thread of the batcher's own: llama.cpp's OpenMP build gives each thread that
 calls into it a team of worker threads that spin a while after each decode, and a team per request thread

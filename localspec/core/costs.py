@@ -188,14 +188,15 @@ def measure(target: Model, draft: Model | None, *, reps: int = 5, log=None, stop
     Sizes are interleaved across `reps` passes, and the short verifies (up to SMALL tokens, the ones auto weighs
     most rounds) across SMALL_REPS times as many. Each batch is timed as a verify runs, right after single-token
     steps (_time_singles), with the step after it, which pays llama.cpp's graph rebuild for the shape change
-    back, and kept as its ratio to the steps: the median ratio over the passes times the median
-    step, so a burst of other work moves one sample, not the curve, and a drift of the machine's speed moves
-    the steps and the batches alike. The curve is kept as measured, dips and all (it was once made
-    non-decreasing: that priced a 4-token verify as a 3-token one and 16 as 14, where they cost less).
-    (Batches once kept their fastest pass while a single token kept a median: that lowered the price of a
-    verify against plain decoding, to 2.9 single steps for a 4-token verify where runs on the same 2-core EPYC took 3.2-3.4, and auto drafted
-    where it lost. Five passes in a busy minute, with no rebuild, then priced a 2-token verify at 1.77 steps
-    where 30 passes on the same EPYC measured 1.96 and the step after it 1.03: auto bet on drafts that lost.)
+    back, and kept as its ratio to the steps: the median ratio over the passes times the median step, so a
+    burst of other work moves one sample, not the curve, and a drift of the machine's speed moves the steps
+    and the batches alike. The curve is kept as measured, dips and all (it was once made non-decreasing: that
+    priced a 4-token verify as a 3-token one and 16 as 14, where they cost less). (Batches once kept their
+    fastest pass while a single token kept a median: that lowered the price of a verify against plain
+    decoding, to 2.9 single steps for a 4-token verify where runs on the same 2-core EPYC took 3.2-3.4, and
+    auto drafted where it lost. Five passes in a busy minute, with no rebuild, then priced a 2-token verify at
+    1.77 steps where 30 passes on the same EPYC measured 1.96 and the step after it 1.03: auto bet on drafts
+    that lost.)
     stop: checked between measurements; when it returns True, Cancelled is raised (the engine is closing).
     """
     try:
