@@ -2,6 +2,7 @@
 output is what it would be alone, its KV cache is its own, sampled output keeps the target's distribution, slots
 are taken and given back, and exact mode is refused with the reason."""
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 
 import numpy as np
@@ -218,7 +219,8 @@ def test_a_cache_another_scope_used_is_emptied_first(engine, request):
 
 def test_slots_are_taken_and_given_back(par):
     """A stream holds a slot from its first token to its end; a thread holding every slot is told so instead of
-    waiting forever; a slot freed is the next stream's."""
+    waiting forever; another thread's stream waits, counted (auto prices drafts by it: costs.Shared), and a slot
+    freed is its."""
     streams = [par.stream(f"{i}, {i + 1}, {i + 2},", max_tokens=8, temperature=0, drafter="none") for i in range(4)]
     reading = [iter(s) for s in streams]
     for it in reading:
@@ -227,8 +229,14 @@ def test_slots_are_taken_and_given_back(par):
     fifth = par.stream("5, 6, 7,", max_tokens=8, temperature=0, drafter="none")
     with pytest.raises(localspec.RequestError, match="all 4 parallel slots are held by streams this thread"):
         list(fifth)
-    streams[0].close()
-    assert len(par.generate("5, 6, 7,", max_tokens=8, temperature=0, drafter="none").tokens) == 8
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(par.generate, "5, 6, 7,", max_tokens=8, temperature=0, drafter="none")
+        deadline = time.monotonic() + 30
+        while par._waiting < 1:
+            assert time.monotonic() < deadline and not other.done(), "the other thread's stream did not wait"
+            time.sleep(0.01)
+        streams[0].close()
+        assert len(other.result(timeout=60).tokens) == 8 and par._waiting == 0
     for it in reading[1:]:
         list(it)
     assert sorted(par._free) == [1, 2, 3, 4]
@@ -257,21 +265,44 @@ def test_parallel_auto_is_one_where_a_wider_decode_costs_in_proportion():
 
 
 def test_a_draft_in_a_batch_is_priced_as_its_share_of_the_round():
-    """Alone, a verify of n costs T(n). Beside others' w tokens in b sequences, plain decoding's share is
-    T(w + 1) / b and each draft token adds what it adds to the whole round."""
+    """Alone, a verify of n costs T(n). Beside others' w tokens in b sequences, each draft token adds what it adds
+    to the whole round, and the request's own token is worth what ending sooner gains: with requests waiting for
+    a slot, the batch's rate (T(w + 1) / b); with none, what its sequence adds to the rounds (T(w + 1) - T(w))."""
     from localspec.core.costs import Costs, Shared
 
     c = _costs((40, 60, 100, 180, 340))
     assert Shared(c, lambda: (0, 1)).verify_cost(4) == pytest.approx(c.verify_cost(4))
-    shared = Shared(c, lambda: (3, 4))  # three others, one token each
-    assert shared.verify_cost(1) == pytest.approx(c.verify_cost(4) / 4)
-    assert shared.verify_cost(5) - shared.verify_cost(1) == pytest.approx(c.verify_cost(8) - c.verify_cost(4))
-    assert np.allclose(shared.verify_cost(np.array([1, 5])), [shared.verify_cost(1), shared.verify_cost(5)])
+    queued = Shared(c, lambda: (3, 4), lambda: 2)  # three others, one token each; two requests wait
+    assert queued.verify_cost(1) == pytest.approx(c.verify_cost(4) / 4)
+    assert queued.verify_cost(5) - queued.verify_cost(1) == pytest.approx(c.verify_cost(8) - c.verify_cost(4))
+    assert np.allclose(queued.verify_cost(np.array([1, 5])), [queued.verify_cost(1), queued.verify_cost(5)])
+    burst = Shared(c, lambda: (3, 4))  # nobody waits
+    assert burst.verify_cost(1) == pytest.approx(c.verify_cost(4) - c.verify_cost(3))
+    assert burst.verify_cost(5) - burst.verify_cost(1) == pytest.approx(c.verify_cost(8) - c.verify_cost(4))
     # a dip (a wider decode cheaper, as CPU kernels take rows in blocks) is priced at its envelope beside others:
     # every request deciding at once would chase it; alone it is taken
     dip = Costs((1, 2, 4, 8, 12, 16), (256,), ((0.04, 0.06, 0.1, 0.18, 0.3, 0.25),), None, 0.0)
-    assert Shared(dip, lambda: (3, 4)).verify_cost(13) == pytest.approx(0.3 - 0.1 + 0.1 / 4)
+    assert Shared(dip, lambda: (3, 4), lambda: 1).verify_cost(13) == pytest.approx(0.3 - 0.1 + 0.1 / 4)
     assert Shared(dip, lambda: (0, 1)).verify_cost(16) == pytest.approx(0.25)
+    # where a sequence adds nothing to the round (the envelope flat), its token is nearly free: only drafts that
+    # cost nothing pay
+    flat = Costs((1, 2, 3, 4, 5), (256,), ((0.06, 0.1, 0.125, 0.122, 0.157),), None, 0.0)
+    assert Shared(flat, lambda: (3, 4)).verify_cost(1) == pytest.approx(Shared.FREE)
+
+
+def test_auto_in_a_burst_drafts_only_what_pays_the_batch():
+    """4 requests, none waiting, on a 2-vCPU Xeon's curve (a 4-token decode no dearer than a 3-token one): a
+    request's draft of up to 4 tokens that nearly always hold widens every round, and the request ending sooner
+    saves the others nothing; with requests waiting for its slot it pays (ending sooner lets one in)."""
+    from localspec.core.auto import _best
+    from localspec.core.costs import Costs, Shared
+
+    xeon = Costs((1, 2, 3, 4, 5, 6, 7, 8), (256,), ((0.060, 0.101, 0.125, 0.122, 0.157, 0.181, 0.202, 0.218),),
+                 None, 0.0)
+    for waiting, pays in ((0, False), (2, True)):
+        shared = Shared(xeon, lambda: (3, 4), lambda w=waiting: w)
+        speed = _best(np.full(4, 0.95), shared.verify_cost)[1]  # the best of 1..4 drafted, 19 in 20 holding
+        assert bool(speed > 1 / shared.verify_cost(1)) is pays
 
 
 class _Recorder:

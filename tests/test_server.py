@@ -663,6 +663,21 @@ def test_an_incomplete_upload_logs_one_line(server):
     assert "Traceback" not in server.output()
 
 
+def test_the_engine_sees_the_servers_queue():
+    """auto prices a batched request's drafts by whether requests wait for a slot (costs.Shared): the server's
+    queue is part of that, and a job that leaves it is no longer counted."""
+    from localspec.api.server import Worker
+
+    engine = SimpleNamespace(name="stub", defaults={}, parallel=1)
+    worker = Worker(engine, queue_size=2)
+    jobs = [SimpleNamespace(cancelled=threading.Event()) for _ in range(2)]
+    for job in jobs:
+        worker.submit(job)
+    assert engine.queued() == 2
+    worker.cancel(jobs[0])
+    assert engine.queued() == 1
+
+
 def test_a_slow_body_gets_408():
     """In process, with a short timeout (serve's is 30 s): a body that stops arriving holds nothing."""
     app = create_app(SimpleNamespace(name="stub", defaults={}, parallel=1), body_timeout_s=0.2)

@@ -89,6 +89,7 @@ class Worker:
         self.closing = False
         self._threads = [threading.Thread(target=self._run, name=f"localspec-engine-{i}", daemon=True)
                          for i in range(engine.parallel)]
+        engine.queued = lambda: len(self.waiting)  # ending a request sooner lets one of these in (auto's pricing)
 
     def start(self) -> None:
         for t in self._threads:

@@ -66,6 +66,8 @@ class Engine:
         self._slots = threading.Condition()
         self._free = list(range(1, self.parallel + 1)) if self.parallel > 1 else []
         self._held: dict[int, int] = {}  # slot -> the thread whose stream holds it
+        self._waiting = 0  # streams waiting for a free slot
+        self.queued = lambda: 0  # requests waiting for this engine outside it (a server sets its queue's length)
         self._closing = threading.Event()  # close() asks the stream in progress to stop at its next check
 
     # -- prompts --
@@ -205,7 +207,7 @@ class Engine:
         if name == "auto":
             costs = self.calibration()
             if self._batcher is not None:  # priced as a share of the batch it decodes in
-                costs = Shared(costs, lambda: self._batcher.others(target))
+                costs = Shared(costs, lambda: self._batcher.others(target), lambda: self._waiting + self.queued())
             auto = AutoDrafter(costs, NgramDrafter(n_min=1, n_max=8), model if fits else None,
                                sample_rows=not req.sampling.greedy, grammar=grammar, prediction=prediction,
                                kinds=self.token_kinds(),
@@ -283,18 +285,25 @@ class Engine:
         prompts never make another's faster, as with history."""
         me = threading.get_ident()
         with self._slots:
-            while not self._free:
-                if sum(t == me for t in self._held.values()) == self.parallel:
-                    raise RequestError(f"all {self.parallel} parallel slots are held by streams this thread has "
-                                       "open: read one to its end or close it first (or load with a larger parallel)")
-                if cancel():
-                    yield Finish("cancelled")
-                    return
-                self._slots.wait(0.1)
-            seqs = self.target.seqs
-            slot = max(self._free, key=lambda s: (seqs[s].scope == scope, seqs[s].cached_prefix(prompt)))
-            self._free.remove(slot)
-            self._held[slot] = me
+            self._waiting += 1
+            try:
+                while not self._free and not cancel():
+                    if sum(t == me for t in self._held.values()) == self.parallel:
+                        raise RequestError(f"all {self.parallel} parallel slots are held by streams this thread "
+                                           "has open: read one to its end or close it first (or load with a larger "
+                                           "parallel)")
+                    self._slots.wait(0.1)
+            finally:
+                self._waiting -= 1
+            slot = None
+            if self._free:
+                seqs = self.target.seqs
+                slot = max(self._free, key=lambda s: (seqs[s].scope == scope, seqs[s].cached_prefix(prompt)))
+                self._free.remove(slot)
+                self._held[slot] = me
+        if slot is None:  # cancelled while waiting (yielded outside the lock: the consumer may never resume)
+            yield Finish("cancelled")
+            return
         try:
             self._claim(slot, scope)
             with self._batcher.holding(slot):
