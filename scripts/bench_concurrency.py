@@ -147,6 +147,11 @@ def serve(cmd: list[str], port: int, log: Path):
     return proc
 
 
+def _x(v: float, width: int, digits: int) -> str:
+    """A ratio as the table prints it; "n/a" where the run it needs was not asked for (no queue system)."""
+    return f"{v:>{width - 1}.{digits}f}x" if v == v else f"{'n/a':>{width}}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", default="1,2,4,8")
@@ -233,9 +238,10 @@ def main() -> None:
         for system in systems:
             r = results[system][c]
             worst = max(t / a for t, a in zip(r["ttfts"], alone["ttfts"])) if alone else float("nan")
-            print(f"{system:>8} {c:>3} {r['aggregate']:>10.2f} {r['aggregate'] / q['aggregate'] if q else 0:>7.2f}x "
-                  f"{r['per_request']:>11.2f} {r['ttft_mean']:>9.2f}s {r['ttft_max']:>8.2f}s {worst:>9.1f}x "
-                  f"{floor:>5.1f}x {ceiling:>7.2f}x {with_prefill:>8.2f}x")
+            ratio = r["aggregate"] / q["aggregate"] if q else float("nan")
+            print(f"{system:>8} {c:>3} {r['aggregate']:>10.2f} {_x(ratio, 8, 2)} {r['per_request']:>11.2f} "
+                  f"{r['ttft_mean']:>9.2f}s {r['ttft_max']:>8.2f}s {_x(worst, 10, 1)} {_x(floor, 6, 1)} "
+                  f"{_x(ceiling, 8, 2)} {_x(with_prefill, 9, 2)}")
     if args.out:
         Path(args.out).write_text(json.dumps({"levels": levels, "workload": args.workload,
                                               "max_tokens": args.max_tokens, "threads": threads, "results": results,
