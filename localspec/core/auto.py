@@ -318,7 +318,7 @@ class AutoDrafter:
             tried = min(m + 1, len(tokens)) if settled else m
             stats.update(tried, m, counted, final=settled)  # if not settled: confirmed so far, the rest to come
             if odds is not None:
-                odds.update(self.kinds[tokens[counted:tried]], m - counted, settled)
+                odds[0].update(odds[1][counted:tried], m - counted, settled)
             if not settled:
                 keep.append((pos, tokens, stats, m, odds))
         self.pending = keep
@@ -384,7 +384,7 @@ class AutoDrafter:
                 odds = self.kind_odds[origin] if self.kinds is not None else None
                 if odds is not None:
                     guessed = odds.adjust(guessed, self.kinds[cont])
-                self.pending.append((len(ctx), cont, stats, 0, odds))
+                self.pending.append((len(ctx), cont, stats, 0, (odds, self.kinds[cont]) if odds is not None else None))
                 best = max(best, score("ngram", guessed), key=lambda b: b[2])
             if self.prediction is not None:
                 _, pcont = self.prediction.lookup(ctx, n - f)
@@ -406,8 +406,15 @@ class AutoDrafter:
                     stats = self.history_stats.setdefault(
                         key, AcceptanceStats(self.k_max, min(0.15 + 0.1 * (size // 2) + 0.1 * support, 0.7)))
                 self._ngram_set.add(stats)
-                self.pending.append((len(ctx), hcont, stats, 0, None))
-                best = max(best, score("history", stats.rates(len(hcont))), key=lambda b: b[2])
+                guessed, odds = stats.rates(len(hcont)), None
+                if self.kinds is not None:
+                    odds = self.history_stats.get("kinds")
+                    if odds is None:
+                        odds = self.history_stats.setdefault("kinds", KindOdds())
+                    kinds = self.kinds[hcont]
+                    guessed, odds = odds.adjust(guessed, kinds), (odds, kinds)
+                self.pending.append((len(ctx), hcont, stats, 0, odds))
+                best = max(best, score("history", guessed), key=lambda b: b[2])
             if not cont and not pcont and not hcont:
                 self.run = 0
         if n > f and self.model_may_win(depth, n) and self.model.fits(ctx):
