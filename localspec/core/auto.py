@@ -267,7 +267,9 @@ class AutoDrafter:
         # history: by the size of the match (3, 4-5, 6+ tokens), how many earlier places agree (1, 2-3, 4+) and
         # whether it opens the output (a match then may be the chat template's turn header alone); a long match
         # that many earlier outputs share (a JSON record's keys, a tool call's skeleton) holds most often.
-        # Learned across the scope's requests (kept with its history), from these priors.
+        # Learned across the scope's requests (kept with its history), from these priors; and, as for n-gram
+        # guesses, how the kind of token a position holds moves its odds (a KindOdds kept there as "kinds": an
+        # earlier output's words may hold where its punctuation does not, or the other way round).
         self.history_stats = history.learned if history is not None else {}
         self.k_max = k_max
         self.probe_every = 64
@@ -281,8 +283,8 @@ class AutoDrafter:
         # the last draft: the context's length then, the seconds its round cost, and a plain step's then
         self.bet: tuple[int, float, float] | None = None
         # guesses not settled yet: (position, tokens, whose stats, how many leading ones are counted already,
-        # the KindOdds that also learn from them)
-        self.pending: list[tuple[int, list[int], AcceptanceStats, int, KindOdds | None]] = []
+        # the KindOdds that also learn from them and each token's kind)
+        self.pending: list[tuple[int, list[int], AcceptanceStats, int, tuple[KindOdds, np.ndarray] | None]] = []
         self._ngram_set = set(self.ngram_stats.values()) | set(self.prediction_stats.values())
 
     def _cost(self, depth: int, n: int):
