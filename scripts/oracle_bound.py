@@ -40,7 +40,7 @@ from localspec.core.costs import Costs  # noqa: E402
 from localspec.core.defaults import K_AUTO, K_PREDICTION  # noqa: E402
 from localspec.core.auto import AutoDrafter, vocab_kinds  # noqa: E402
 from localspec.core.drafters import Draft, NgramDrafter, Prediction  # noqa: E402
-from localspec.core.history import PROMPT_TAIL, SuffixCache  # noqa: E402
+from localspec.core.history import PROMPT_TAIL, Learned, SuffixCache  # noqa: E402
 
 HOLDOUT = Path(__file__).with_name("holdout_prompts.jsonl")
 SETS = {"shipped": PROMPTS, "holdout": HOLDOUT, "structured": STRUCTURED,
@@ -176,7 +176,7 @@ def draft_profile(run, p_min: float = 0.75, k: int = 4) -> dict[str, float]:
             "cold_drafts": rounds[False][1] / max(rounds[False][0], 1)}
 
 
-def earlier(runs, i: int, learned: dict | None = None) -> SuffixCache:
+def earlier(runs, i: int, learned: Learned | None = None) -> SuffixCache:
     """The history an engine would hold before run i: the outputs of the runs before it (after their prompts'
     last PROMPT_TAIL tokens), as Engine.history records them; `learned`: what auto learned of it in the runs
     before (SuffixCache.learned), carried over as the engine does."""
@@ -346,7 +346,7 @@ def replay(a) -> None:
         print("|---" * (len(policies) + 2) + "|")
         ratios = {p: [] for p in policies}
         bare = []  # the ceiling without the draft model, per prompt (printed only where it drafted)
-        learned = {}  # auto's history statistics, carried from run to run as a scope's are
+        learned = Learned()  # auto's history statistics, carried from run to run as a scope's are
         for i, run in enumerate(data["runs"]):
             plain = replay_one(run, costs, "none", target)
             history = earlier(data["runs"], i, learned) if a.history else None

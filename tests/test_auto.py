@@ -620,11 +620,60 @@ def test_history_guesses_are_judged_by_the_kind_of_token_they_hold():
             ctx = play(a, ctx, text)
         drafts[with_kinds] = [a.propose(ctx + words[i][:3], 16).tokens for i in range(32, 36)]
         if with_kinds:
-            odds = store.learned["kinds"]
+            odds = store.learned.kinds
             assert odds.accepted[WORD] / odds.tried[WORD] > 0.9 and odds.accepted[PUNCT] / odds.tried[PUNCT] < 0.1
     # each record's last words, not the earlier output's ';' after them
     assert drafts[True] == [words[i][3:] for i in range(32, 36)]
     assert drafts[False] != drafts[True]
+
+
+def test_a_scopes_history_statistics_are_read_and_taught_under_its_lock():
+    """Requests decoded together share their scope's history statistics (history.Learned), each from its own
+    thread: every read and update of them happens while the scope's lock is held."""
+    import threading
+
+    from localspec.core import auto as auto_module
+    from localspec.core.history import SuffixCache
+
+    store = SuffixCache(1 << 20)
+    for _ in range(4):
+        store.add([1, 2, 3, 4, 5, 6, 100, 101, 102, 103, 104, 105, 7])
+    held = []
+
+    class Watched:
+        """The scope's lock, telling whether it is held."""
+        def __init__(self):
+            self.lock, self.owner = threading.Lock(), None
+
+        def __enter__(self):
+            self.lock.acquire()
+            self.owner = threading.get_ident()
+
+        def __exit__(self, *exc):
+            self.owner = None
+            self.lock.release()
+
+    store.lock = Watched()
+    stats_update, odds_update = auto_module.AcceptanceStats.update, KindOdds.update
+
+    def watched(original):
+        def call(self, *args, **kw):
+            if any(self is s for s in store.learned.stats.values()) or self is store.learned.kinds:
+                held.append(store.lock.owner == threading.get_ident())
+            return original(self, *args, **kw)
+        return call
+
+    auto_module.AcceptanceStats.update, KindOdds.update = watched(stats_update), watched(odds_update)
+    try:
+        text = [50, 1, 2, 3, 4, 5, 6, 100, 101, 102, 200, 201, 202, 203, 204, 205, 206, 207]
+        a = auto(INTEL, history=store, kinds=np.full(300, WORD, dtype=np.int8))
+        ctx = text[:7]
+        while len(ctx) < len(text) - 1:
+            ctx = play(a, ctx, text)
+    finally:
+        auto_module.AcceptanceStats.update, KindOdds.update = stats_update, odds_update
+    assert store.learned.stats and store.learned.kinds is not None  # history was drafted from, and judged
+    assert held and all(held)
 
 
 def test_a_copy_whose_first_token_holds_is_expected_to_go_on():
@@ -659,5 +708,5 @@ def test_history_statistics_are_the_scopes_learned_across_its_requests():
         opened.append(a.propose(prompt, 16).tokens[:1] == [100])
         a.propose([*prompt, 200 + step], 16)  # it opened otherwise: the bet is scored
     assert opened[0] and not opened[-1]
-    assert {key[2] for key in store.learned if key != "kinds"} == {True}  # learned at openings only
+    assert {key[2] for key in store.learned.stats} == {True}  # learned at openings only
     assert auto(INTEL, history=other).propose(prompt, 16).tokens[:1] == [100]

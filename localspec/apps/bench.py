@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 
 from ..core.errors import LocalspecError
 from ..core.grammar import GrammarError
+from ..core.history import History, Learned
 from ..core.model import KV_TYPES, default_threads
 from ..core.sampling import SamplingParams
 from ..store.memory import CTX_PAD
@@ -254,7 +255,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     if "auto" in methods:
         llm.calibration()  # calibrate (once per machine and models) before anything is timed
     rows, earlier = [], []  # earlier: (prompt tokens, plain output) of the prompts before, for auto-hist
-    learned: dict = {}  # what auto-hist learned of drafting from the history, carried on as a scope's is
+    learned = Learned()  # what auto-hist learned of drafting from the history, carried on as a scope's is
     own_history = llm.history
     for p, tokens in zip(prompts, prompt_tokens):
         if p["id"] in kept:
@@ -307,11 +308,9 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     return rows
 
 
-def _history(earlier: list[tuple[list[int], list[int]]], learned: dict):
+def _history(earlier: list[tuple[list[int], list[int]]], learned: Learned):
     """A history holding the plain outputs of the prompts run before (what an app's earlier requests left), and
     what drafting from it was worth in the auto-hist runs before (SuffixCache.learned)."""
-    from ..core.history import History
-
     h = History(HISTORY_MB)
     for prompt, output in earlier:
         h.record("", prompt, output)

@@ -7,6 +7,7 @@ goes (AcceptanceStats, KindOdds), starting from priors measured on recorded outp
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Sequence
 
@@ -268,9 +269,10 @@ class AutoDrafter:
         # whether it opens the output (a match then may be the chat template's turn header alone); a long match
         # that many earlier outputs share (a JSON record's keys, a tool call's skeleton) holds most often.
         # Learned across the scope's requests (kept with its history), from these priors; and, as for n-gram
-        # guesses, how the kind of token a position holds moves its odds (a KindOdds kept there as "kinds": an
-        # earlier output's words may hold where its punctuation does not, or the other way round).
-        self.history_stats = history.learned if history is not None else {}
+        # guesses, how the kind of token a position holds moves its odds (an earlier output's words may hold
+        # where its punctuation does not, or the other way round): history.Learned, read and taught under the
+        # scope's lock, as requests decoded together share it.
+        self.learned = history.learned if history is not None else None
         self.k_max = k_max
         self.probe_every = 64
         self.may_win: tuple[tuple[int, int], bool] | None = None  # ((n, depth bucket), model_may_win's answer)
@@ -309,6 +311,10 @@ class AutoDrafter:
         return self.may_win[1]
 
     def _learn(self, context: Sequence[int]) -> None:
+        with self.history.lock if self.history is not None else nullcontext():  # (history's stats are shared)
+            self._settle(context)
+
+    def _settle(self, context: Sequence[int]) -> None:
         keep, run = [], None
         for pos, tokens, stats, counted, odds in self.pending:
             known = context[pos:pos + len(tokens)]
@@ -403,18 +409,18 @@ class AutoDrafter:
                 size = max(_bucket(found.size), 3)  # history matches are 3 tokens at least: 3, 4-5, 6+
                 support = 0 if found.support == 1 else 1 if found.support < 4 else 2
                 key = (size, support, depth == self.output_from and not f)
-                stats = self.history_stats.get(key)
-                if stats is None:
-                    stats = self.history_stats.setdefault(
-                        key, AcceptanceStats(self.k_max, min(0.15 + 0.1 * (size // 2) + 0.1 * support, 0.7)))
+                with self.history.lock:
+                    stats = self.learned.stats.get(key)
+                    if stats is None:
+                        stats = self.learned.stats[key] = AcceptanceStats(
+                            self.k_max, min(0.15 + 0.1 * (size // 2) + 0.1 * support, 0.7))
+                    guessed, odds = stats.rates(len(hcont)), None
+                    if self.kinds is not None:
+                        if self.learned.kinds is None:
+                            self.learned.kinds = KindOdds()
+                        kinds = self.kinds[hcont]
+                        guessed, odds = self.learned.kinds.adjust(guessed, kinds), (self.learned.kinds, kinds)
                 self._ngram_set.add(stats)
-                guessed, odds = stats.rates(len(hcont)), None
-                if self.kinds is not None:
-                    odds = self.history_stats.get("kinds")
-                    if odds is None:
-                        odds = self.history_stats.setdefault("kinds", KindOdds())
-                    kinds = self.kinds[hcont]
-                    guessed, odds = odds.adjust(guessed, kinds), (odds, kinds)
                 self.pending.append((len(ctx), hcont, stats, 0, odds))
                 best = max(best, score("history", guessed), key=lambda b: b[2])
             if not cont and not pcont and not hcont:

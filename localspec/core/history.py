@@ -15,7 +15,7 @@ keeps one History per key).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -43,6 +43,16 @@ class Found:
 NOTHING = Found(0, 0, [], [])
 
 
+@dataclass
+class Learned:
+    """What drafting from one scope's history has been worth, learned across its requests (auto keeps it, under
+    the scope's lock: requests decoded together update it at once): its acceptance statistics by the match's
+    features, and how the kind of token a guess holds moves its odds (auto.KindOdds, made on first use)."""
+
+    stats: dict = field(default_factory=dict)
+    kinds: object = None
+
+
 def _key(a: int, b: int, c: int) -> int:
     return (a << 42) | (b << 21) | c  # token ids below 2**21 (vocabularies are ~150k)
 
@@ -56,10 +66,9 @@ class SuffixCache:
         self.size = 0
         self.starts: list[int] = []  # where each stored sequence begins
         self.index: dict[int, int | list[int]] = {}  # anchor key -> position(s) of the anchor's last token
-        self.lock = threading.Lock()
-        # what drafting from this scope's history has been worth, learned across its requests (auto keeps its
-        # AcceptanceStats here, by the match's features): an app's outputs repeat in ways its requests share
-        self.learned: dict = {}
+        self.lock = threading.Lock()  # the store and `learned`
+        # an app's outputs repeat in ways its requests share: what drafting from them was worth is the scope's
+        self.learned = Learned()
 
     @property
     def nbytes(self) -> int:
