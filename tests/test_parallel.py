@@ -2,8 +2,8 @@
 output is what it would be alone, its KV cache is its own, sampled output keeps the target's distribution, slots
 are taken and given back, and exact mode is refused with the reason."""
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
