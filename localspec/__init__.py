@@ -196,6 +196,6 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     if history_mb > 0 and history_file:
         from .store.history import HistoryFiles, folder
 
-        keeper = HistoryFiles(folder(registry.home(), t.path), int(history_mb * 2 ** 20))
+        keeper = HistoryFiles(folder(registry.home(), t.path), int(history_mb * 2 ** 20), t.n_vocab)
     return Engine(t, d, name=name, defaults=defaults, costs=costs_keeper(registry.home() / "calibration"),
                   history_mb=history_mb, history_keeper=keeper)

@@ -42,6 +42,80 @@ def test_the_store_stays_under_its_cap_keeping_the_newest():
     assert c.lookup(first[:3], 30).tokens == first[3:]
 
 
+def test_lookups_do_not_wait_for_an_eviction_to_index_the_store_anew():
+    """At 64 MB indexing the kept outputs anew takes about a second: the store's requests draft from it as it
+    was meanwhile (one scope's requests decoded together would each stall a round otherwise), then from the
+    store without its oldest outputs."""
+    import threading
+
+    cap = 200 * (4 + BYTES_PER_TOKEN)
+    c = SuffixCache(cap)
+    for i in range(8):  # 8 outputs of 19 tokens: the 9th fills the store
+        c.add([1000 + i, 7, 8, 9, 2000 + i, 3000 + i, *range(100 + 20 * i, 113 + 20 * i)])
+    indexing, release = threading.Event(), threading.Event()
+    evicted = c._evicted
+
+    def slow():
+        indexing.set()
+        assert release.wait(30)
+        return evicted()
+
+    c._evicted = slow
+    adder = threading.Thread(target=c.add, args=([1008, 7, 8, 9, 2008, 3008, *range(500, 513)],))
+    adder.start()
+    try:
+        assert indexing.wait(30)
+        found = []
+        looker = threading.Thread(target=lambda: found.append(c.lookup([1000, 7, 8, 9], 4)))
+        looker.start()
+        looker.join(5)
+        assert found and found[0].tokens == [2000, 3000, 100, 101]  # answered while indexing: the oldest still there
+    finally:
+        release.set()
+        adder.join(30)
+    assert c.lookup([1000, 7, 8, 9], 4).tokens == [] and c.lookup([1008, 7, 8, 9], 4).tokens == [2008, 3008, 500, 501]
+
+
+def test_a_scope_read_from_its_file_keeps_no_other_scope_waiting():
+    """A scope's first request reads its file (up to the cap: seconds at 64 MB); another key's requests meanwhile
+    get their own store at once, and the scope's outputs come after those of its file."""
+    import threading
+
+    from localspec.core.history import History
+
+    reading, release = threading.Event(), threading.Event()
+
+    class Keeper:
+        def load(self, scope):
+            if scope == "slow":
+                reading.set()
+                assert release.wait(30)
+                return [np.array([1, 2, 3, 4, 5], dtype=np.int32)]
+            return []
+
+        def save(self, scope, seqs):
+            pass
+
+    h = History(1, keeper=Keeper())
+    loader, later = threading.Thread(target=h.cache, args=("slow",)), None
+    loader.start()
+    try:
+        assert reading.wait(30)
+        other = threading.Thread(target=h.record, args=("fast", [9, 9], [6, 7, 8, 9]))
+        other.start()
+        other.join(5)
+        assert not other.is_alive() and h.cache("fast").size
+        later = threading.Thread(target=h.record, args=("slow", [], [1, 2, 3, 4, 6]))
+        later.start()
+    finally:
+        release.set()
+        loader.join(30)
+        if later is not None:
+            later.join(30)
+    slow = h.cache("slow")
+    assert slow.tokens[:slow.size].tolist() == [1, 2, 3, 4, 5, -1, 1, 2, 3, 4, 6, -1]
+
+
 def test_a_lookup_costs_under_a_millisecond_in_a_full_64_mb_store():
     c = SuffixCache(64 << 20)
     rng = np.random.default_rng(1)
@@ -160,6 +234,25 @@ def test_an_unreadable_file_is_said_and_started_afresh(tmp_path, capsys):
     f = HistoryFiles(tmp_path, 1 << 20)
     f.path("").write_bytes(b"not numpy")
     assert f.load("") == [] and "ignoring the unreadable history file" in capsys.readouterr().err
+    f.save("", [[1, 2, 3, 4]])
+    assert [s.tolist() for s in f.load("")] == [[1, 2, 3, 4]]
+
+
+def test_a_file_of_other_ids_is_said_and_started_afresh(tmp_path, capsys):
+    """A readable file that is not this model's store (ids past its vocabulary, which would reach llama_decode
+    as drafts, or no int32 ids at all) is ignored, said, and replaced by the next save; the folder kept by the
+    user alone (it holds every output)."""
+    import numpy as np
+
+    from localspec.store.history import HistoryFiles
+
+    f = HistoryFiles(tmp_path / "history" / "model", 1 << 20, n_vocab=1000)
+    f.save("", [[1, 2, 3, 4]])
+    assert (tmp_path / "history").stat().st_mode & 0o077 == 0
+    for bad in (np.array([5, 6, 7, 5000, -1], dtype=np.int32), np.array([5, 6, -7, -1], dtype=np.int32),
+                np.array([1.5, 2.5]), np.zeros((2, 2), dtype=np.int32)):
+        np.save(f.path(""), bad)
+        assert f.load("") == [] and "ignoring the history file" in capsys.readouterr().err
     f.save("", [[1, 2, 3, 4]])
     assert [s.tolist() for s in f.load("")] == [[1, 2, 3, 4]]
 

@@ -15,6 +15,7 @@ keeps one History per key).
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -57,6 +58,20 @@ def _key(a: int, b: int, c: int) -> int:
     return (a << 42) | (b << 21) | c  # token ids below 2**21 (vocabularies are ~150k)
 
 
+def _index(index: dict, tokens: np.ndarray, start: int, end: int) -> None:
+    """Add the ANCHOR-token windows of tokens[start:end] to index (anchor key -> position(s) of its last token)."""
+    t = tokens[start:end].astype(np.int64)
+    keys = (t[:-2] << 42) | (t[1:-1] << 21) | t[2:]
+    for pos, key in zip(range(start + ANCHOR - 1, end), keys.tolist()):
+        bucket = index.get(key)
+        if bucket is None:
+            index[key] = pos  # most windows occur once: a list only from the second on
+        elif type(bucket) is int:
+            index[key] = [bucket, pos]
+        else:
+            bucket.append(pos)
+
+
 class SuffixCache:
     """Past outputs of one scope (a model, an API key), bounded to `max_bytes` (the oldest go first)."""
 
@@ -67,6 +82,7 @@ class SuffixCache:
         self.starts: list[int] = []  # where each stored sequence begins
         self.index: dict[int, int | list[int]] = {}  # anchor key -> position(s) of the anchor's last token
         self.lock = threading.Lock()  # the store and `learned`
+        self._adding = threading.Lock()  # one adder at a time (it rebuilds the store without `lock` held)
         # an app's outputs repeat in ways its requests share: what drafting from them was worth is the scope's
         self.learned = Learned()
 
@@ -75,8 +91,8 @@ class SuffixCache:
         """What the store holds, estimated: its token array and its index."""
         return self.tokens.nbytes + BYTES_PER_TOKEN * self.size
 
-    def add(self, tokens: Sequence[int]) -> None:
-        """Keep one finished sequence (prompt tail + output)."""
+    def add(self, tokens: Sequence[int], held: bool = False) -> None:
+        """Keep one finished sequence (prompt tail + output); held: the caller holds _adding already."""
         seq = np.asarray(tokens, dtype=np.int32)
         if len(seq) <= ANCHOR or int(seq.min()) < 0 or int(seq.max()) >= 1 << 21:
             return
@@ -85,49 +101,40 @@ class SuffixCache:
             if room <= ANCHOR:
                 return
             seq = seq[-room:]
-        with self.lock:
-            if self.size + len(seq) + 1 > len(self.tokens):
-                grown = np.empty(max(2 * len(self.tokens), self.size + len(seq) + 1), dtype=np.int32)
-                grown[:self.size] = self.tokens[:self.size]
-                self.tokens = grown
-            at = self.size
-            self.tokens[at:at + len(seq)] = seq
-            self.tokens[at + len(seq)] = -1
-            self.starts.append(at)
-            self.size = at + len(seq) + 1
-            self._index(at, at + len(seq))
-            if self.nbytes > self.max_bytes:
-                self._evict()
+        with nullcontext() if held else self._adding:
+            with self.lock:
+                if self.size + len(seq) + 1 > len(self.tokens):
+                    grown = np.empty(max(2 * len(self.tokens), self.size + len(seq) + 1), dtype=np.int32)
+                    grown[:self.size] = self.tokens[:self.size]
+                    self.tokens = grown
+                at = self.size
+                self.tokens[at:at + len(seq)] = seq
+                self.tokens[at + len(seq)] = -1
+                self.starts.append(at)
+                self.size = at + len(seq) + 1
+                _index(self.index, self.tokens, at, at + len(seq))
+                full = self.nbytes > self.max_bytes
+            if full:  # indexed anew without the lock (~1 s at 64 MB): lookups meanwhile read the store as it was
+                evicted = self._evicted()
+                with self.lock:
+                    self.tokens, self.size, self.starts, self.index = evicted
 
-    def _index(self, start: int, end: int) -> None:
-        t = self.tokens[start:end].astype(np.int64)
-        keys = (t[:-2] << 42) | (t[1:-1] << 21) | t[2:]
-        index = self.index
-        for pos, key in zip(range(start + ANCHOR - 1, end), keys.tolist()):
-            bucket = index.get(key)
-            if bucket is None:
-                index[key] = pos  # most windows occur once: a list only from the second on
-            elif type(bucket) is int:
-                index[key] = [bucket, pos]
-            else:
-                bucket.append(pos)
-
-    def _evict(self) -> None:
-        """Drop the oldest sequences until the store is at most 3/4 full, then index what is left anew."""
+    def _evicted(self) -> tuple[np.ndarray, int, list[int], dict]:
+        """The store without its oldest sequences, at most 3/4 full, and its index anew (made while only the
+        adder, holding _adding, could change the store)."""
         budget = self.max_bytes * 3 // 4
         keep_from = len(self.starts) - 1
         while keep_from > 0 and (self.size - self.starts[keep_from - 1]) * (4 + BYTES_PER_TOKEN) <= budget:
             keep_from -= 1
         cut = self.starts[keep_from]
-        rest = self.tokens[cut:self.size].copy()
-        self.tokens = np.empty(max(1024, 2 * len(rest)), dtype=np.int32)
-        self.tokens[:len(rest)] = rest
-        self.size = len(rest)
-        self.starts = [s - cut for s in self.starts[keep_from:]]
-        self.index = {}
-        for i, s in enumerate(self.starts):
-            end = self.starts[i + 1] - 1 if i + 1 < len(self.starts) else self.size - 1
-            self._index(s, end)
+        rest = self.tokens[cut:self.size]
+        tokens = np.empty(max(1024, 2 * len(rest)), dtype=np.int32)
+        tokens[:len(rest)] = rest
+        starts = [s - cut for s in self.starts[keep_from:]]
+        index: dict = {}
+        for i, s in enumerate(starts):
+            _index(index, tokens, s, starts[i + 1] - 1 if i + 1 < len(starts) else len(rest) - 1)
+        return tokens, len(rest), starts, index
 
     def lookup(self, context: Sequence[int], n: int) -> Found:
         """What followed the longest earlier match of the context's end, up to n tokens, or NOTHING."""
@@ -190,13 +197,12 @@ class History:
         self._lock = threading.Lock()
 
     def cache(self, scope: str = "") -> SuffixCache:
-        forgotten = []
+        forgotten, fresh = [], False
         with self._lock:
             c = self._caches.pop(scope, None)
             if c is None:
-                c = SuffixCache(self.max_bytes)
-                for seq in self.keeper.load(scope) if self.keeper is not None else ():
-                    c.add(seq)
+                c, fresh = SuffixCache(self.max_bytes), True
+                c._adding.acquire()  # filled from its file below: adds wait for that, lookups see what is in
             self._caches[scope] = c  # most recently used last
             while len(self._caches) > self.scopes:
                 old = next(iter(self._caches))
@@ -205,6 +211,12 @@ class History:
         for old, seqs in forgotten:
             if seqs:
                 self.keeper.save(old, seqs)
+        if fresh:  # read without the scopes' lock: other scopes' requests do not wait for this file
+            try:
+                for seq in self.keeper.load(scope) if self.keeper is not None else ():
+                    c.add(seq, held=True)
+            finally:
+                c._adding.release()
         return c
 
     def record(self, scope: str, prompt: Sequence[int], output: Sequence[int]) -> None:

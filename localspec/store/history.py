@@ -49,8 +49,10 @@ def _split(flat: np.ndarray) -> list[np.ndarray]:
 class HistoryFiles:
     """The keeper a History is given (core.history.History(keeper=)): load(scope) and save(scope, new)."""
 
-    def __init__(self, where: Path, max_bytes: int):
-        self.where, self.max_bytes = where, max_bytes
+    def __init__(self, where: Path, max_bytes: int, n_vocab: int | None = None):
+        """where: the model's folder (folder()); n_vocab: its vocabulary's size, when known (a file holding ids
+        past it is not this model's, or is damaged: it is ignored, not drafted from)."""
+        self.where, self.max_bytes, self.n_vocab = where, max_bytes, n_vocab
 
     def path(self, scope: str) -> Path:
         return self.where / f"{hashlib.sha256(scope.encode()).hexdigest()[:16]}.npy"
@@ -63,7 +65,11 @@ class HistoryFiles:
         except Exception as e:  # noqa: BLE001 - a broken file (empty after a power loss, a full disk): start afresh
             print(f"localspec: ignoring the unreadable history file {path} ({e})", file=sys.stderr)
             return []
-        if flat.ndim != 1 or flat.dtype != np.int32:
+        why = ("it holds no token ids" if flat.ndim != 1 or flat.dtype != np.int32 else
+               f"it holds token ids outside this model's vocabulary ({self.n_vocab})"
+               if flat.size and (flat.min() < -1 or (self.n_vocab is not None and flat.max() >= self.n_vocab)) else None)
+        if why:
+            print(f"localspec: ignoring the history file {path}: {why}; it is started afresh", file=sys.stderr)
             return []
         return _split(flat)
 
@@ -75,7 +81,8 @@ class HistoryFiles:
         a history is a speed-up, never a reason for a request to fail."""
         path = self.path(scope)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # every output kept: the user's alone
+            path.parent.mkdir(exist_ok=True, mode=0o700)
             with _locked(path.with_suffix(".lock")):
                 seqs = self._read(path) + [np.asarray(s, dtype=np.int32) for s in new]
                 kept, room = [], self.max_bytes // (4 + BYTES_PER_TOKEN)  # tokens that fit, with separators
