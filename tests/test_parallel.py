@@ -1,6 +1,7 @@
 """Tier 2: concurrent requests sharing each llama_decode (load(parallel=N), real SmolLM2-135M): each request's
 output is what it would be alone, its KV cache is its own, sampled output keeps the target's distribution, slots
 are taken and given back, and exact mode is refused with the reason."""
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,13 +74,50 @@ def test_greedy_requests_decoded_together_give_their_text_alone(par, solo):
         del par.target._run_jobs
     assert max(sizes) == 4  # they did share decodes
     for a, b in zip(alone, got):
-        at = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
-        if at is None:
-            assert a.tokens == b.tokens
-            continue
-        lp, top = a.logprobs[at]
-        tops = dict(top)
-        assert b.tokens[at] in tops and lp - tops[b.tokens[at]] < 0.5, (at, a.tokens[at], b.tokens[at], top)
+        assert_as_alone(a, b)
+
+
+def assert_as_alone(a, b):
+    """b gives a's tokens (a: alone, with logprobs), or parts from them where a's two best were nearly tied."""
+    at = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
+    if at is None:
+        assert a.tokens == b.tokens
+        return
+    lp, top = a.logprobs[at]
+    tops = dict(top)
+    assert b.tokens[at] in tops and lp - tops[b.tokens[at]] < 0.5, (at, a.tokens[at], b.tokens[at], top)
+
+
+def test_each_requests_own_options_hold_beside_others(par, solo):
+    """Four requests at once, each with options of its own (a JSON schema; a prediction; a stop string; logprobs),
+    give what each gives alone; the two drafting with the draft model share its decodes too."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+              "additionalProperties": False}
+    ask = [par.chat_tokens([{"role": "user", "content": c}]) for c in
+           ("Name a cat. Answer in JSON.", f"Write a Python function that {TASKS[1]}.",
+            f"Write a Python function that {TASKS[2]}.", f"Write a Python function that {TASKS[3]}.")]
+    plain = solo.generate(ask[1], max_tokens=40, temperature=0, drafter="none")
+    options = [dict(json_schema=schema, drafter="auto"), dict(prediction=plain.text, drafter="auto"),
+               dict(stop=["```\n"], drafter="model"), dict(logprobs=2, drafter="model")]
+    alone = [solo.generate(p, max_tokens=40, temperature=0, **(o | {"logprobs": 5})) for p, o in zip(ask, options)]
+    target_sizes, draft_sizes = [], []
+    spies = [(par.target, target_sizes), (par.draft, draft_sizes)]
+    for model, sizes in spies:
+        model._run_jobs = lambda jobs, run=model._run_jobs, sizes=sizes: (sizes.append(len(jobs)), run(jobs))[1]
+    try:
+        got = together([lambda p=p, o=o: par.generate(p, max_tokens=40, temperature=0, **o)
+                        for p, o in zip(ask, options)])
+    finally:
+        for model, _ in spies:
+            del model._run_jobs
+    assert max(target_sizes) >= 2 and max(draft_sizes) >= 2  # both models' decodes were shared (the short ones end
+    # soon: test_greedy_requests_decoded_together_give_their_text_alone shows four in one)
+    for a, b in zip(alone, got):
+        assert_as_alone(a, b)
+    assert json.loads(got[0].text)["name"] and got[0].finish_reason == "stop"
+    assert got[1].stats.drafted > 0  # the prediction was drafted from
+    assert got[2].finish_reason == "stop" and got[2].text.count("```") == 1  # ends before the closing fence
+    assert len(got[3].logprobs) == len(got[3].tokens) and all(len(top) == 2 for _, top in got[3].logprobs)
 
 
 def test_a_requests_cache_is_its_own(smol_path):
@@ -191,8 +229,14 @@ def test_sampled_output_beside_three_other_requests_has_the_targets_distribution
                 return n
             return run
 
-        others = together([sample, *(beside(t) for t in TOPICS[1:])])[1:]
-    assert min(others) > 0 and rejected[0] > 0
+        sizes = []
+        run_jobs = llm.target._run_jobs
+        llm.target._run_jobs = lambda jobs: (sizes.append(len(jobs)), run_jobs(jobs))[1]
+        try:
+            others = together([sample, *(beside(t) for t in TOPICS[1:])])[1:]
+        finally:
+            del llm.target._run_jobs
+    assert min(others) > 0 and rejected[0] > 0 and max(sizes) >= 2  # decoded beside others
     assert set(counts) <= set(p.ids.tolist())
     obs = np.array([counts.get(int(t), 0) for t in p.ids])
     expected = p.p * obs.sum()
@@ -247,6 +291,52 @@ def test_exact_mode_is_refused_with_parallel_requests(smol_path):
         localspec.load(target=smol_path, n_ctx=256, parallel=2, exact=True)
     with pytest.raises(ModelError, match="parallel must be 1 to 64"):
         localspec.load(target=smol_path, n_ctx=256, parallel=0)
+
+
+@pytest.mark.parametrize("chosen", [1, 2])
+def test_parallel_auto_loads_as_many_slots_as_the_calibration_says(smol_path, monkeypatch, chosen):
+    """parallel='auto' measures one request's costs first and keeps that engine where more would not pay; in
+    exact mode it is 1 whatever the costs."""
+    from localspec.core import costs as costs_module
+    from localspec.core.engine import Engine
+
+    monkeypatch.setattr(Engine, "calibration", lambda self: _costs((10, 12, 16, 30, 60)))
+    monkeypatch.setattr(costs_module, "parallel_for", lambda c: chosen)
+    with localspec.load(target=smol_path, n_ctx=256, parallel="auto") as llm:
+        assert llm.parallel == chosen and (llm._batcher is None) == (chosen == 1)
+        assert llm.generate("1, 2, 3,", max_tokens=4, temperature=0).tokens
+    with localspec.load(target=smol_path, n_ctx=256, parallel="auto", exact=True) as llm:
+        assert llm.parallel == 1
+
+
+def test_the_batch_surface_is_measured_for_the_sequences_the_target_holds(par):
+    """measure_batch: for 2 and 4 sequences (what a 4-slot target holds), a decode of theirs against one
+    sequence's of as many tokens; every sequence left empty."""
+    from localspec.core.costs import Costs, measure_batch
+
+    base = Costs((1, 2, 4), (32,), ((0.01, 0.012, 0.015),), None, 0.0)
+    got = measure_batch(par.target, base, reps=1)
+    assert [b for b, _ in got.batch] == [2, 4] and all(0.3 < r < 4 for _, r in got.batch), got.batch
+    assert got.verify == base.verify and all(not s.tokens for s in par.target.seqs)
+
+
+def test_the_batch_surface_prices_a_decode_by_its_sequences():
+    """Costs.batch_cost: a decode of b sequences costs the measured factor over one sequence's of as many
+    tokens (interpolated between measured b, the widest one's past it); Shared prices a request's round with it."""
+    from dataclasses import replace
+
+    from localspec.core.costs import Shared
+
+    c = replace(_costs((40, 60, 100, 180, 340)), batch=((2, 1.1), (4, 1.2)))
+    assert c.batch_cost(4, 256, 1) == pytest.approx(c.verify_cost(4))
+    assert c.batch_cost(4, 256, 2) == pytest.approx(1.1 * c.verify_cost(4))
+    assert c.batch_cost(6, 256, 3) == pytest.approx(1.15 * c.verify_cost(6))
+    assert c.batch_cost(8, 256, 8) == pytest.approx(1.2 * c.verify_cost(8))
+    queued = Shared(c, lambda: (3, 4), lambda: 1)
+    assert queued.verify_cost(1) == pytest.approx(1.2 * c.verify_cost(4) / 4)
+    assert queued.verify_cost(5) - queued.verify_cost(1) == pytest.approx(1.2 * (c.verify_cost(8) - c.verify_cost(4)))
+    burst = Shared(c, lambda: (3, 4))
+    assert burst.verify_cost(1) == pytest.approx(1.2 * c.verify_cost(4) - 1.15 * c.verify_cost(3))
 
 
 def _costs(verify_ms):
