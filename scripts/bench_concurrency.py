@@ -147,6 +147,11 @@ def serve(cmd: list[str], port: int, log: Path):
     return proc
 
 
+def _num(v: float) -> float | None:
+    """v for JSON: None where the run it needs was not asked for (NaN is not JSON)."""
+    return None if v != v else v
+
+
 def _x(v: float, width: int, digits: int) -> str:
     """A ratio as the table prints it; "n/a" where the run it needs was not asked for (no queue system)."""
     return f"{v:>{width - 1}.{digits}f}x" if v == v else f"{'n/a':>{width}}"
@@ -229,23 +234,26 @@ def main() -> None:
     print(f"\n{'system':>8} {'c':>3} {'tok/s all':>10} {'x queue':>8} "
           f"{'tok/s each':>11} {'TTFT mean':>10} {'TTFT max':>9} {'max/alone':>10} {'floor':>6} {'ceiling':>8} "
           f"{'+prefill':>9}")
+    bounds = {}
     for c in levels:
         q = results.get("queue", {}).get(c)
         ceiling = c * costs.verify_cost(1, 256) / costs.batch_cost(c, 256, c)
         with_prefill = (alone["wall"] / (sum(alone["ttfts"]) + alone["tokens"] * step / ceiling)) if alone \
             else float("nan")
         floor = ttft_floor(alone["ttfts"][:c]) if alone else float("nan")
+        bounds[c] = {"ceiling": ceiling, "ceiling_with_prefill": _num(with_prefill), "ttft_floor": _num(floor)}
         for system in systems:
             r = results[system][c]
             worst = max(t / a for t, a in zip(r["ttfts"], alone["ttfts"])) if alone else float("nan")
             ratio = r["aggregate"] / q["aggregate"] if q else float("nan")
+            r |= {"x_queue": _num(ratio), "ttft_worst_over_alone": _num(worst)}  # (in --out's JSON)
             print(f"{system:>8} {c:>3} {r['aggregate']:>10.2f} {_x(ratio, 8, 2)} {r['per_request']:>11.2f} "
                   f"{r['ttft_mean']:>9.2f}s {r['ttft_max']:>8.2f}s {_x(worst, 10, 1)} {_x(floor, 6, 1)} "
                   f"{_x(ceiling, 8, 2)} {_x(with_prefill, 9, 2)}")
     if args.out:
         Path(args.out).write_text(json.dumps({"levels": levels, "workload": args.workload,
                                               "max_tokens": args.max_tokens, "threads": threads, "results": results,
-                                              "batch": costs.batch}, indent=1))
+                                              "bounds": bounds, "batch": costs.batch}, indent=1))
 
 
 if __name__ == "__main__":

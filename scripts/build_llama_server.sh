@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own server (llama-server) from the llama.cpp source that the installed llama-cpp-python's
 # sdist carries, with llama.cpp's default settings (as llama-cpp-python builds its library), so that
-# `localspec bench --concurrency` can measure it as the peer on the same machine, the same prompts and the same
+# `scripts/bench_concurrency.py` can measure it as the peer on the same machine, the same prompts and the same
 # llama.cpp. Needs PyPI (for the sdist), cmake and a C++ compiler; about 5 minutes on 2 cores; run once.
 #   bash scripts/build_llama_server.sh [PYTHON]     -> prints the path of the llama-server binary
 # Set CMAKE_ARGS as for the llama-cpp-python install (e.g. -DGGML_LLAMAFILE=OFF) to build it the same way.

