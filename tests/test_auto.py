@@ -676,6 +676,27 @@ def test_a_scopes_history_statistics_are_read_and_taught_under_its_lock():
     assert held and all(held)
 
 
+def test_a_history_draft_is_priced_by_how_many_earlier_places_agree_on_each_token():
+    """Five earlier outputs went on alike after the same opening; in one store all five go on alike to the end,
+    in the other two of them part at the second token. Both drafts open alike (the majority goes on), but where
+    places part auto expects less of the round (each token's rate times the share agreeing on it) and drafts
+    less far."""
+    from localspec.core.history import SuffixCache
+
+    head, body = [1, 2, 3, 4, 5, 6], list(range(100, 116))
+    expected, drafted = [], []
+    for parting in (0, 2):
+        store = SuffixCache(1 << 20)
+        for i in range(5):
+            tail = body[:1] + [900 + i] * 15 if i < parting else body
+            store.add([*head, *tail])
+        d = auto(INTEL, history=store).propose([50, *head], 16)
+        assert d.plan.source == "history" and d.tokens[0] == body[0]
+        expected.append(d.plan.tokens)
+        drafted.append(len(d.tokens))
+    assert expected[1] < expected[0] and drafted[1] < drafted[0]
+
+
 def test_a_copy_whose_first_token_holds_is_expected_to_go_on():
     """Only first tokens taught (each held, nothing further seen): a copy from the prompt is still drafted
     long, its later tokens priced at the continuation prior, not at the first token's."""
