@@ -183,6 +183,18 @@ def test_an_answer_asked_again_is_drafted_from_history_and_stays_plains(smol_eng
     assert spec2.tokens == plain2.tokens
 
 
+def test_history_under_a_json_schema_drafts_and_stays_the_constrained_text(smol_engine, monkeypatch):
+    """Under a grammar, history's guesses are cut where the grammar refuses them (then drafted like any other):
+    exact mode, the constrained text asked again equals constrained plain decoding and was drafted from history."""
+    monkeypatch.setattr(smol_engine, "history", History(4))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "legs": {"type": "integer"}}, "required": ["name", "legs"]}
+    prompt = smol_engine.chat_tokens([{"role": "user", "content": "Describe a cat as JSON."}])
+    plain = smol_engine.generate(prompt, max_tokens=48, temperature=0, drafter="none", json_schema=schema)
+    again = smol_engine.generate(prompt, max_tokens=48, temperature=0, drafter="auto", json_schema=schema)
+    assert again.tokens == plain.tokens and again.stats.drafted_history > 0
+
+
 def test_history_is_sampled_exactly_under_rejection_sampling(smol_engine, monkeypatch):
     """History drafts are point masses: at T > 0 a seeded request gives plain's tokens whatever was drafted."""
     monkeypatch.setattr(smol_engine, "history", History(4))

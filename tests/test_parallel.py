@@ -120,6 +120,23 @@ def test_each_requests_own_options_hold_beside_others(par, solo):
     assert len(got[3].logprobs) == len(got[3].tokens) and all(len(top) == 2 for _, top in got[3].logprobs)
 
 
+def test_requests_of_one_scope_decoded_together_draft_from_its_history(par, monkeypatch):
+    """Two requests of one scope at once, each asked before: both draft their answer from the scope's history
+    and teach its statistics from their own threads (history.Learned, under the scope's lock), and each gives
+    its text as before."""
+    from localspec.core.history import History
+
+    monkeypatch.setattr(par, "history", History(1))
+    prompts = [par.chat_tokens([{"role": "user", "content": f"Write a Python function that {t}."}])
+               for t in TASKS[:2]]
+    first = [par.generate(p, max_tokens=32, temperature=0, drafter="none", logprobs=5) for p in prompts]
+    again = together([lambda p=p: par.generate(p, max_tokens=32, temperature=0, drafter="auto") for p in prompts])
+    for a, b in zip(first, again):
+        assert_as_alone(a, b)
+        assert b.stats.drafted_history > 0
+    assert par.history.cache("").learned.stats
+
+
 def test_a_requests_cache_is_its_own(smol_path):
     """Two prompts that differ in their first token, decoded in one batch: each one's logit rows are its own
     prompt's (as decoded alone), never a mix with the other's cells."""
