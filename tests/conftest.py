@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,12 @@ import pytest
 # Exact mode turns ggml's tiled matmul off for the process, but only where no model has run yet (ggml reads the
 # setting once): the suite loads plain models before exact ones, so it is off for the whole session.
 os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+# A run started in the background (`... &` in a script, nohup) inherits SIGINT ignored, and Python then installs no
+# KeyboardInterrupt handler, in this process or in those the tests start (an ignored signal stays ignored across
+# exec): the Ctrl-C tests would fail for want of a Ctrl-C, not for anything of ours. A terminal's Ctrl-C is taken.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from localspec.store import registry  # noqa: E402
 
