@@ -270,9 +270,8 @@ class AutoDrafter:
         # that many earlier outputs share (a JSON record's keys, a tool call's skeleton) holds most often.
         # Learned across the scope's requests (kept with its history), from these priors; and, as for n-gram
         # guesses, how the kind of token a position holds moves its odds (an earlier output's words may hold
-        # where its punctuation does not, or the other way round): history.Learned, read and taught under the
+        # where its punctuation does not, or the other way round): history.learned, read and taught under the
         # scope's lock, as requests decoded together share it.
-        self.learned = history.learned if history is not None else None
         self.k_max = k_max
         self.probe_every = 64
         self.may_win: tuple[tuple[int, int], bool] | None = None  # ((n, depth bucket), model_may_win's answer)
@@ -409,10 +408,11 @@ class AutoDrafter:
                 size = max(_bucket(found.size), 3)  # history matches are 3 tokens at least: 3, 4-5, 6+
                 support = 0 if found.support == 1 else 1 if found.support < 4 else 2
                 key = (size, support, depth == self.output_from and not f)
+                learned = self.history.learned
                 with self.history.lock:
-                    stats = self.learned.stats.get(key)
+                    stats = learned.stats.get(key)
                     if stats is None:
-                        stats = self.learned.stats[key] = AcceptanceStats(
+                        stats = learned.stats[key] = AcceptanceStats(
                             self.k_max, min(0.15 + 0.1 * (size // 2) + 0.1 * support, 0.7))
                     # each token also by the share of the places still agreeing that agree on it (the counts
                     # of a suffix tree's nodes, as SuffixDecoding scores its drafts): the length follows the
@@ -420,10 +420,10 @@ class AutoDrafter:
                     guessed = stats.rates(len(hcont)) * np.asarray(found.shares[:len(hcont)])
                     odds = None
                     if self.kinds is not None:
-                        if self.learned.kinds is None:
-                            self.learned.kinds = KindOdds()
+                        if learned.kinds is None:
+                            learned.kinds = KindOdds()
                         kinds = self.kinds[hcont]
-                        guessed, odds = self.learned.kinds.adjust(guessed, kinds), (self.learned.kinds, kinds)
+                        guessed, odds = learned.kinds.adjust(guessed, kinds), (learned.kinds, kinds)
                 self._ngram_set.add(stats)
                 self.pending.append((len(ctx), hcont, stats, 0, odds))
                 best = max(best, score("history", guessed), key=lambda b: b[2])

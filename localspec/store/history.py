@@ -65,9 +65,11 @@ class HistoryFiles:
         except Exception as e:  # noqa: BLE001 - a broken file (empty after a power loss, a full disk): start afresh
             print(f"localspec: ignoring the unreadable history file {path} ({e})", file=sys.stderr)
             return []
-        why = ("it holds no token ids" if flat.ndim != 1 or flat.dtype != np.int32 else
-               f"it holds token ids outside this model's vocabulary ({self.n_vocab})"
-               if flat.size and (flat.min() < -1 or (self.n_vocab is not None and flat.max() >= self.n_vocab)) else None)
+        why = None
+        if flat.ndim != 1 or flat.dtype != np.int32:
+            why = "it holds no token ids"
+        elif flat.size and (flat.min() < -1 or (self.n_vocab is not None and flat.max() >= self.n_vocab)):
+            why = f"it holds token ids outside this model's vocabulary ({self.n_vocab})"
         if why:
             print(f"localspec: ignoring the history file {path}: {why}; it is started afresh", file=sys.stderr)
             return []
