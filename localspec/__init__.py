@@ -197,5 +197,12 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
         from .store.history import HistoryFiles, folder
 
         keeper = HistoryFiles(folder(registry.home(), t.path), int(history_mb * 2 ** 20), t.n_vocab)
-    return Engine(t, d, name=name, defaults=defaults, costs=costs_keeper(registry.home() / "calibration"),
-                  history_mb=history_mb, history_keeper=keeper)
+    engine = Engine(t, d, name=name, defaults=defaults, costs=costs_keeper(registry.home() / "calibration"),
+                    history_mb=history_mb, history_keeper=keeper)
+    if parallel > 1:  # measured now, before any request: measuring decodes in the slots' own sequences
+        try:
+            engine.calibration()
+        except BaseException:
+            engine.close()
+            raise
+    return engine

@@ -147,7 +147,9 @@ def test_small_contexts(smol_path):
         plain = llm.generate(prompt, max_tokens=16, temperature=0, drafter="none").tokens
         for drafter in ("auto", "hybrid"):
             r = llm.generate(prompt, max_tokens=16, temperature=0, drafter=drafter)
-            assert r.stats.generated == 16 and any(f"n_ctx_draft={small}" in n for n in r.stats.notes)
+            # (not exact: beside a reused prompt a near-tie may end the text sooner, as on a Zen 3 EPYC)
+            assert (r.stats.generated == 16 or r.finish_reason == "stop") and r.stats.generated
+            assert any(f"n_ctx_draft={small}" in n for n in r.stats.notes)
         with pytest.raises(RequestError, match=f"n_ctx_draft={small}.*--n-ctx-draft"):
             llm.generate(prompt, max_tokens=16, temperature=0, drafter="model")
         assert plain  # plain decoding is untouched by the small draft context
@@ -526,26 +528,44 @@ def test_a_stream_closed_early_is_cancelled_not_stopped(smol_engine):
 def test_a_stream_ended_mid_round_counts_only_the_draft_tokens_it_emitted(smol_engine):
     """Closed (or stopped by a stop sequence) inside a round whose draft held, the stream once counted the whole
     round's accepted tokens, more than it emitted."""
-    prompt = "one two three four five six seven eight nine ten " * 6
+    prompt = ("Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy "
+              "dog. the quick brown fox")
+
+    def opens_a_held_round(got, rows) -> bool:
+        """The latest event is the first token of a round whose draft held further (a round's trace row comes
+        before its tokens)."""
+        return got[-1].from_draft and (len(got) == 1 or not got[-2].from_draft) and rows[-1]["accepted"] >= 2
+
     rows = []
     s = smol_engine.stream(prompt, max_tokens=60, temperature=0, drafter="ngram", trace=rows.append)
     got = []
     for ev in s:
         got.append(ev)
-        if ev.from_draft:  # the first accepted draft token: the rest of its round is left unread
+        if opens_a_held_round(got, rows):  # the rest of its round is left unread
             s.close()
             break
-    assert got and got[-1].from_draft and rows[-1]["accepted"] >= 2  # the round held more than was read
-    assert s.stats.accepted == sum(e.from_draft for e in got) == 1 <= s.stats.generated == len(got)
-    assert s.stats.accepted_at[0] == 1 and sum(s.stats.accepted_at[1:]) == 0
-    inside = 0
-    for stop in ("of 123", "is 123"):  # where this prompt's output ('... The number of 123256 is 123...') drafts
-        rows = []
-        s = smol_engine.stream(prompt, max_tokens=60, temperature=0, drafter="ngram", stop=[stop], trace=rows.append)
-        got = list(s)
-        assert s.finish_reason == "stop" and s.stats.accepted == sum(e.from_draft for e in got)
-        inside += sum(r["accepted"] for r in rows) > s.stats.accepted  # it came inside a round whose draft held
-    assert inside
+    assert got and got[-1].from_draft
+    emitted = sum(e.from_draft for e in got)
+    assert s.stats.accepted == emitted == sum(r["accepted"] for r in rows) - rows[-1]["accepted"] + 1
+    assert sum(s.stats.accepted_at) == emitted <= s.stats.generated == len(got)
+    # a stop sequence that completes at such a token: taken from the text the prompt gives, so any output does
+    rows = []
+    whole = list(smol_engine.stream(prompt, max_tokens=60, temperature=0, drafter="ngram", trace=rows.append))
+    at, n = None, 0
+    for r in rows:
+        if r["accepted"] >= 2 and n >= 3:
+            at = n
+            break
+        n += r["emitted"]
+    assert at is not None, "no round's draft held two tokens or more"
+    text = "".join(e.text for e in whole[:at + 1])
+    stop = "".join(e.text for e in whole[at - 3:at + 1])
+    assert stop.strip() and text.find(stop) == len(text) - len(stop)  # not found earlier
+    rows = []
+    s = smol_engine.stream(prompt, max_tokens=60, temperature=0, drafter="ngram", stop=[stop], trace=rows.append)
+    got = list(s)
+    assert s.finish_reason == "stop" and s.stats.accepted == sum(e.from_draft for e in got)
+    assert sum(r["accepted"] for r in rows) > s.stats.accepted  # it came inside a round whose draft held
 
 
 def test_a_stream_has_close_and_with(smol_engine):

@@ -462,9 +462,10 @@ def test_the_batcher_waits_for_every_member_in_a_round_and_no_one_else():
 def test_close_lets_the_decode_thread_go(smol_path):
     llm = localspec.load(target=smol_path, n_ctx=256, parallel=2)
     assert llm.generate("1, 2, 3,", max_tokens=4, temperature=0, drafter="none").tokens
-    decoder = llm._batcher._decoder
+    scheduler = llm._batcher._scheduler
+    assert scheduler.is_alive()
     llm.close()
-    assert decoder._shutdown
+    assert not scheduler.is_alive()
     with pytest.raises(ModelError, match="closed"):
         llm.generate("1, 2, 3,", max_tokens=4)
 
@@ -536,10 +537,10 @@ def prefill_chunks(monkeypatch):
     sizes = []
     real = Batcher.decode
 
-    def spy(self, seq, tokens, logits, prefill=0):
+    def spy(self, seq, tokens, logits, prefill=0, cancel=None):
         if prefill:
             sizes.append(len(tokens))
-        return real(self, seq, tokens, logits, prefill)
+        return real(self, seq, tokens, logits, prefill, cancel)
 
     monkeypatch.setattr(Batcher, "decode", spy)
     return sizes
@@ -553,6 +554,7 @@ def test_a_gpu_prefill_beside_other_requests_leaves_room_for_their_rounds(smol_p
     sizes = prefill_chunks
     prompt = "one two three four five six seven eight nine ten " * 40
     with localspec.load(target=smol_path, n_ctx=512, parallel=2, n_gpu_layers=99) as llm:
+        sizes.clear()  # (what measuring the costs at load prefilled, the first time)
         n = len(llm.tokenize(prompt))
         assert 300 < n < 500
         llm.generate(prompt, max_tokens=2, temperature=0, drafter="none", cancel=lambda: False)
@@ -583,6 +585,7 @@ def test_only_a_prompts_prefill_is_scheduled_as_one(smol_path, prefill_chunks):
     decodes."""
     prompt = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nprint(fib(10))\n" * 4
     with localspec.load(target=smol_path, draft=smol_path, n_ctx=512, parallel=2) as llm:
+        prefill_chunks.clear()  # (what measuring the costs at load prefilled, the first time)
         n = len(llm.tokenize(prompt))
         r = llm.generate(prompt, max_tokens=12, temperature=0, drafter="model", k=3, cancel=lambda: False)
         assert r.stats.drafting_rounds > 1

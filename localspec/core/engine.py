@@ -2,6 +2,7 @@
 generation API over them (prompts, drafters chosen per request, the stream)."""
 from __future__ import annotations
 
+import contextlib
 import operator
 import secrets
 import sys
@@ -140,14 +141,36 @@ class Engine:
         return tokens
 
     def calibration(self, *, force: bool = False):
-        """This machine's speculation costs for these models (costs.Costs); measured on first use, kept."""
+        """This machine's speculation costs for these models (costs.Costs); measured on first use, kept.
+        With parallel slots, measured only once every slot is free (localspec.load and the server do it before
+        any request): measuring decodes in the slots' sequences and empties them after."""
         if self._costs is None or force:
-            with self._quiet():
+            with self._all_slots(), self._quiet():
                 try:
                     self._costs = self._measure(self.target, self.draft, force=force, stop=self._closing.is_set)
                 except Cancelled:  # close() was called meanwhile: nothing was kept, it is measured next time
                     raise ModelError(f"{self.name} was closed while measuring its costs") from None
         return self._costs
+
+    @contextlib.contextmanager
+    def _all_slots(self):
+        """Every parallel slot, taken once free (none without slots): what measures the batch surface never
+        changes the sequence of a request in progress."""
+        if self._batcher is None:
+            yield
+            return
+        with self._slots:
+            if threading.get_ident() in self._held.values():
+                raise RequestError("this thread has a stream open in a slot: read it to its end or close it before "
+                                   "measuring the costs (localspec.load measures them before any request)")
+            self._slots.wait_for(lambda: len(self._free) == self.parallel or self._closing.is_set())
+            taken, self._free = self._free, []
+        try:
+            yield
+        finally:
+            with self._slots:
+                self._free = taken
+                self._slots.notify_all()
 
     def _quiet(self):
         """Held while the models are measured or closed: no stream decodes meanwhile."""

@@ -32,7 +32,12 @@ class ModelError(LocalspecError):
     """A model file cannot be used: missing, not GGUF, truncated, unsupported, or a bad setting."""
 
 
-class ContextFullError(LocalspecError):
+class DecodeError(LocalspecError):
+    """A decode failed mid-generation (llama_decode returned an error): the request ends with it, and the
+    sequence it was decoding in is emptied. Its message names what failed, never a Python exception."""
+
+
+class ContextFullError(DecodeError):
     """The KV cache has no room for the tokens asked to decode."""
 
 

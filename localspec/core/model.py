@@ -22,8 +22,8 @@ from typing import Sequence
 import llama_cpp as L
 import numpy as np
 
-from .llama import (FLASH_ATTN, KV_TYPES, PREFILL_CHUNK, Cancelled, ContextFullError, ModelConfig,  # noqa: F401
-                    ModelError, _fields, _in_use, _interrupt_after, _last_log, _recent_log, _Users, amx_faults,
+from .llama import (FLASH_ATTN, KV_TYPES, PREFILL_CHUNK, Cancelled, ContextFullError, DecodeError,  # noqa: F401
+                    ModelConfig, ModelError, _fields, _in_use, _interrupt_after, _last_log, _recent_log, _Users, amx_faults,
                     check_gguf, default_threads, exact_matmuls, note_context, resolve_flash_attn, set_verbose,
                     tiled_matmul_setting)
 
@@ -272,7 +272,7 @@ class Model:
                 job.seq.truncate(len(job.seq.tokens))  # drop whatever a failed decode may have left
             if rc == 1:
                 raise ContextFullError(f"no KV cache slot for {at} tokens (n_ctx={self.n_ctx} per sequence)")
-            raise ModelError(f"llama_decode failed with code {rc}{_last_log()}")
+            raise DecodeError(f"llama_decode failed with code {rc}{_last_log()}")
         out = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(at, self.n_vocab)) if at else None
         row = 0
         for job in jobs:
@@ -324,12 +324,14 @@ class Seq:
     def __getattr__(self, name: str):
         return getattr(self.model, name)
 
-    def decode(self, tokens: Sequence[int], *, logits: str = "last", prefill: int = 0) -> np.ndarray | None:
+    def decode(self, tokens: Sequence[int], *, logits: str = "last", prefill: int = 0,
+               cancel=None) -> np.ndarray | None:
         """Append tokens to the cache in one llama_decode per n_batch chunk.
 
         logits: "none", "last" (one row) or "all" (one row per token; needs len(tokens) <= n_batch).
         prefill: where these tokens are part of a prompt's prefill, how many of its tokens are left, these
         included (the batcher runs the shortest prefill first; 0: not a prefill).
+        cancel: with a batcher, checked while the decode waits its turn: Cancelled once it returns True.
         Returns a (rows, n_vocab) float32 array: alone, a view of llama.cpp's buffer, valid until the next decode.
         """
         from .batch import Job
@@ -347,7 +349,7 @@ class Seq:
             chunk = list(tokens[start:start + model.n_batch])
             want = logits if logits != "last" or start + len(chunk) == n else "none"
             if model.batcher is not None:
-                rows = model.batcher.decode(self, chunk, want, prefill=max(prefill - start, 0))
+                rows = model.batcher.decode(self, chunk, want, prefill=max(prefill - start, 0), cancel=cancel)
             else:
                 job = Job(self, chunk, want)
                 model._run_jobs([job])
@@ -366,6 +368,22 @@ class Seq:
         if not ok:
             raise ModelError(f"llama.cpp refused to roll the KV cache of {model.path.name} back to {n} tokens")
 
+    def clear(self) -> None:
+        """Forget the whole sequence: its cells (those it shares with another sequence stay that one's) and its
+        token list. What a failed decode leaves is never reused."""
+        self.truncate(0)
+
+    def check(self) -> None:
+        """Make sure the cells are what the token list says (llama.cpp's last position against the list), and
+        empty the sequence where they are not: a request never decodes on top of state it does not know."""
+        if self.model._ctx is None:
+            return
+        last = self.pos_max()
+        if last < len(self.tokens) - 1:  # the list claims cells the cache lacks: nothing of it can be trusted
+            self.clear()
+        elif last >= len(self.tokens):  # cells past the list (an interrupted decode): dropped
+            self.truncate(len(self.tokens))
+
     def cached_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` the cache already holds."""
         cached = np.asarray(self.tokens[:len(tokens)], dtype=np.int64)
@@ -380,6 +398,7 @@ class Seq:
         the cache holds the chunks done so far (a later sync reuses them).
         """
         head = tokens[:len(tokens) - 1] if logits else tokens  # what may come from a cache: the rest is decoded
+        self.check()
         keep = self.cached_prefix(head)
         self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list
         borrowed = self.borrowed
@@ -394,13 +413,13 @@ class Seq:
             while len(rest) > chunk:
                 if cancel():
                     raise Cancelled("cancelled during the prefill")
-                self.decode(rest[:chunk], logits="none", prefill=len(rest))
+                self.decode(rest[:chunk], logits="none", prefill=len(rest), cancel=cancel)
                 rest = tokens[len(self.tokens):]  # the chunk, less what was borrowed when it ran (_run_jobs)
             if cancel():
                 raise Cancelled("cancelled during the prefill")
         # a prompt's prefill (the loop's, which can be cancelled), not a drafter catching its cache up by a token
         prefill = len(rest) if cancel is not None else 0
-        row = self.decode(rest, logits="last" if logits else "none", prefill=prefill)
+        row = self.decode(rest, logits="last" if logits else "none", prefill=prefill, cancel=cancel)
         return keep + self.borrowed - borrowed, row
 
     def _borrow(self, tokens: Sequence[int]) -> int:
