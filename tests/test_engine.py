@@ -121,6 +121,24 @@ def test_k_beyond_one_decode_is_clamped_and_said(smol_engine):
     assert "note: k=1000" in r.stats.line()
 
 
+@pytest.mark.parametrize("k", [34, 48, 200])
+def test_any_k_one_decode_holds_drafts_with_every_drafter(smol_engine, k):
+    """k above 33 (auto's measured costs end there) crashed auto on any prompt with repeats (its statistics were
+    sized for 33 positions: a broadcast ValueError), a traceback from `localspec generate -k 48` and a 500 from the
+    server. auto drafts at most 32 a round whatever k allows; the others draft as far as k, and every drafter
+    gives plain decoding's text (exact mode)."""
+    # a repeat longer than 33 tokens: a match's continuation runs past what auto's statistics held
+    line = ", ".join(f"item {i} costs {i * 3} dollars" for i in range(1, 13)) + ".\n"
+    prompt = "Prices:\n" + line + "Prices again:\n" + "item 1 costs"
+    plain = smol_engine.generate(prompt, max_tokens=80, temperature=0, drafter="none")
+    for drafter in ("auto", "ngram", "model"):
+        r = smol_engine.generate(prompt, max_tokens=80, temperature=0, drafter=drafter, k=k)
+        assert r.tokens == plain.tokens and r.stats.k == k, drafter
+        assert len(r.stats.accepted_at) <= (32 if drafter == "auto" else k), drafter
+        if drafter != "auto":  # (auto prices every continuation, then may find plain decoding pays best here)
+            assert max(i + 1 for i, n in enumerate(r.stats.accepted_at) if n) > 8, drafter
+
+
 def test_an_output_cut_by_a_full_context_says_so(smol_path):
     """generate with a small --n-ctx ended 'length' like a max_tokens cut, nothing saying the context was full
     (llama.cpp also rounds n_ctx up to 256, so the cut came later than asked)."""

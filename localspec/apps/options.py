@@ -71,7 +71,8 @@ def generation_options(f):
                      help="Acceptance rule; rejection and greedy are lossless, threshold is lossy."),
         click.option("-k", "k", type=int, help=f"Draft tokens per round, at most (default: the pair's, else "
                      f"{D.K_AUTO} under auto ({D.K_PREDICTION} with a prediction), {D.K_FIXED} otherwise); clamped to "
-                     "what one decode holds."),
+                     "what one decode holds (n_batch - 1). auto drafts at most 32 a round whatever k allows: "
+                     "its measured costs end at a 33-token verify."),
         click.option("--p-min", type=float, help="The draft model stops drafting when its top probability falls "
                      f"below this (default: the pair's, else {D.P_MIN})."),
         click.option("--threshold", type=float, default=D.THRESHOLD, show_default=True,

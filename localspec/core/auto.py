@@ -273,6 +273,10 @@ class AutoDrafter:
         # where its punctuation does not, or the other way round): history.learned, read and taught under the
         # scope's lock, as requests decoded together share it.
         self.k_max = k_max
+        # the longest draft it prices: as far as its statistics go and the measured verify curve reaches (a
+        # verify of n + 1 tokens; past the curve's end its cost is not known, and a k the request allows
+        # beyond it is not drafted)
+        self.cap = min(k_max, int(costs.sizes[-1]) - 1)
         self.probe_every = 64
         self.may_win: tuple[tuple[int, int], bool] | None = None  # ((n, depth bucket), model_may_win's answer)
         self.since_model = self.probe_every  # the first round the model could draft in probes it
@@ -346,6 +350,7 @@ class AutoDrafter:
             # (the sampler's time per row is the same per token with or without a draft: left out of both)
             self.bank += (depth - at) * step - seconds
             self.bet = None
+        n = min(n, self.cap)
         if n <= 0:
             return EMPTY
         cost = self._cost(depth, n)
