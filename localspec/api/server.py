@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from ..core.engine import Engine
 from ..core.errors import LocalspecError
+from ..core.llama import ContextFullError, DecodeError
 from ..core.grammar import Grammar, GrammarError
 from .request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_text, parse_chat,
                              parse_completion)
@@ -151,9 +152,8 @@ class Worker:
         while (job := self._next()) is not None:
             try:
                 self._serve(job)
-            except Exception as e:  # a bug or a llama.cpp failure: answer 500 and keep serving
-                log.exception("generation failed")
-                job.put(("error", ApiError(f"generation failed: {e}", status=500, type="server_error")))
+            except Exception as e:  # a llama.cpp failure or a bug: a typed 500, and the server goes on
+                job.put(("error", _failed(job, e)))
             finally:
                 with self.lock:
                     self.running.discard(job)
@@ -201,6 +201,20 @@ class Worker:
             events.close()  # runs the loop's cleanup now: both KV caches match their token lists
         log.info("%s%s: %s", job.kind, " (cancelled)" if job.cancelled.is_set() else "", stream.stats.line())
         job.put(("error", _shutting_down()) if self.closing else ("end", stream.stats))
+
+
+def _failed(job: Job, e: Exception) -> ApiError:
+    """A generation that failed midway, as the client is told: what failed, never Python's exception text (the
+    server's log has the traceback of a bug)."""
+    if isinstance(e, DecodeError):  # its message is ours: what llama.cpp refused
+        log.warning("%s: generation failed: %s", job.kind, e)
+        what = (f"the KV cache had no room left for this request ({e})" if isinstance(e, ContextFullError) else
+                f"the model could not decode this request's tokens ({e})")
+    else:
+        log.exception("%s: generation failed", job.kind)
+        what = "an internal error stopped it (the server's log says where)"
+    return ApiError(f"generation failed: {what}; the request was stopped, and may be sent again", status=500,
+                    type="server_error", code="generation_failed")
 
 
 def _shutting_down() -> ApiError:
@@ -397,6 +411,9 @@ def create_app(engine: Engine, *, api_key: str | Sequence[str] | None = None, co
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
+        # measured (or read from where they are kept) before the first request, not inside it: any request may
+        # ask for drafter 'auto', and measuring decodes in the models' own sequences
+        await asyncio.to_thread(engine.calibration)
         app.worker.start()
         yield
         await asyncio.to_thread(app.worker.stop)

@@ -372,6 +372,12 @@ def main() -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except Exception as e:  # a bug: one line that says so (LOCALSPEC_TRACEBACK=1 shows where)
+        if os.environ.get("LOCALSPEC_TRACEBACK"):
+            raise
+        click.echo(f"error: an internal error stopped localspec ({type(e).__name__}: {e}); please report it, "
+                   "with the traceback that LOCALSPEC_TRACEBACK=1 shows", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -178,21 +178,18 @@ class Batcher:
                     if job.done:
                         break
                     if job in self._jobs and cancel is not None and cancel():
-                        self._jobs.remove(job)  # not taken yet: it never runs
-                        self._cond.notify_all()
-                        raise Cancelled("cancelled while waiting to be decoded")
+                        raise Cancelled("cancelled while waiting to be decoded")  # not taken: it never runs
                     if not self._scheduler.is_alive():  # never expected: said rather than waited on for ever
-                        self._jobs.remove(job) if job in self._jobs else None
                         raise ModelError("the decode scheduler has stopped: load the models again")
             except BaseException:
-                # an interrupt in this thread (Ctrl-C): a job not taken leaves the queue; one being run is
-                # waited for, so its sequence is never changed behind its request's back
+                # cancelled, or an interrupt in this thread (Ctrl-C): a job not taken leaves the queue; one being
+                # run is waited for, so its sequence is never changed behind its request's back
                 if job in self._jobs:
                     self._jobs.remove(job)
+                    job.done = True
                     self._cond.notify_all()
-                else:
-                    while not job.done and self._scheduler.is_alive():
-                        self._cond.wait(POLL_S)
+                while not job.done and self._scheduler.is_alive():
+                    self._cond.wait(POLL_S)
                 raise
         if job.error is not None:
             raise job.error
