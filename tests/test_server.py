@@ -583,6 +583,9 @@ BAD = {
     "a 257-character stop string": (CHAT, OK_CHAT | {"stop": "x" * 257}, 400, "stop"),
     "an empty stop string": (CHAT, OK_CHAT | {"stop": ""}, 400, "stop"),
     "more messages than context": (CHAT, OK_CHAT | {"messages": MESSAGES * 1025}, 400, "messages"),
+    # what parsing would build, in a field that is otherwise ignored (8 MiB of {} held 620 MB for a while)
+    "metadata of 120,000 objects": (CHAT, OK_CHAT | {"metadata": [{}] * 120_000}, 400, None),
+    "metadata of 1.1 million numbers": (CHAT, OK_CHAT | {"metadata": [0] * 1_100_000}, 400, None),
     # nesting that later steps (error messages, templates, schemas) would walk recursively
     "max_tokens nested 900 deep": (CHAT, ("{" + '"messages": [{"role": "user", "content": "hi"}], "max_tokens": '
                                           + "[" * 900 + "]" * 900 + "}").encode(), 400, "max_tokens"),
@@ -913,6 +916,30 @@ def test_check_text_bounds_nesting_and_names_the_field():
     with pytest.raises(ApiError) as e:
         check_text({"messages": [{"content": [{"text": "ok"}, {"text": "\ud800"}]}]})
     assert e.value.param == "messages[0].content[1].text"
+
+
+def test_a_body_is_refused_by_what_its_parse_would_build_before_it_is_parsed(monkeypatch):
+    """8 MiB of '[{},{},...]' in the ignored `metadata` was parsed into 2.8 million objects (620 MB, for a while);
+    the body's objects, arrays and values are counted outside its strings first."""
+    from localspec.api import request as rq
+
+    loads = []
+    monkeypatch.setattr(rq.json, "loads", lambda *a, **k: loads.append(1))  # not reached when refused
+    for body, what in [({"metadata": [{}] * (rq.MAX_JSON_CONTAINERS + 1)}, "100,003 JSON objects and arrays"),
+                       ({"metadata": [[1, 2]] * (rq.MAX_JSON_CONTAINERS // 2)}, None),
+                       ({"prompt": list(range(rq.MAX_JSON_VALUES - 1))}, None),
+                       ({"prompt": list(range(rq.MAX_JSON_VALUES))}, "1,048,577 JSON values"),
+                       # inside strings, escaped quotes and backslashes included, nothing is counted
+                       ({"content": ['a "quoted" {[,]} \\", [{' * 40] * 30_000}, None)]:
+        raw = json.dumps(body).encode()
+        if what is None:
+            rq.check_json_size(raw)
+            continue
+        with pytest.raises(rq.ApiError) as e:
+            rq.check_json_size(raw)
+        assert e.value.status == 400 and e.value.code == "request_too_complex" and what in str(e.value)
+        assert "at most" in str(e.value)
+    assert not loads
 
 
 def test_tool_parameters_with_defs_and_refs_constrain_the_call(smol_engine):

@@ -7,6 +7,8 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..core.errors import LocalspecError
 from ..core.grammar import GrammarError, compile_spec
 from ..core.request import make_request
@@ -362,6 +364,33 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 _SCALARS = {int, float, bool, type(None)}
 MAX_DEPTH = 64  # JSON nesting: a schema or tool call needs a few levels; Python's own limits are near 1000
+# What parsing a body may build. 8 MiB of '[{},{},...]' (in the ignored `metadata`, say) is 2.8 million objects
+# (json.loads alone: 208 MB), and six such bodies parsed at once held 4.6 GB. Real requests hold thousands: 128
+# tools of 20 parameters, ~6,000 objects and arrays; a conversation of 2,000 messages, a few per message; a prompt
+# of token ids, one value per token. Within these limits a body parses into 80 MB at most (1M short strings:
+# 64 MB; 100,000 objects of 9 strings: 82 MB).
+MAX_JSON_CONTAINERS = 100_000  # objects and arrays
+MAX_JSON_VALUES = 1 << 20  # values of every kind: a prompt of token ids filling a 1M-token context
+
+
+def check_json_size(raw: bytes) -> None:
+    """Refuse a JSON body whose parse would build more than MAX_JSON_CONTAINERS objects and arrays or
+    MAX_JSON_VALUES values, before json.loads builds them: '{' and '[' and ',' outside strings are counted over
+    the raw bytes (~30-75 ms for 8 MiB, whatever it holds; a parse of it took up to 250 ms and 620 MB)."""
+    if len(raw) < 2 * MAX_JSON_CONTAINERS:  # each object, array or value takes 2 bytes at least ('1,' or '[]')
+        return
+    raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")  # escapes, in order: no quote left inside a string
+    b = np.frombuffer(raw, np.uint8)
+    outside = (np.cumsum(b == ord('"'), dtype=np.uint8) & 1) == 0  # parity of the quotes so far (mod 256 keeps it)
+    containers = int(np.count_nonzero(((b == ord("{")) | (b == ord("["))) & outside))
+    values = containers + int(np.count_nonzero((b == ord(",")) & outside))  # n items have n - 1 commas
+    if containers > MAX_JSON_CONTAINERS:
+        raise ApiError(f"the request body holds {containers:,} JSON objects and arrays; at most "
+                       f"{MAX_JSON_CONTAINERS:,} are accepted (a real request has tens of thousands at most)",
+                       code="request_too_complex")
+    if values > MAX_JSON_VALUES:
+        raise ApiError(f"the request body holds {values:,} JSON values; at most {MAX_JSON_VALUES:,} are accepted "
+                       "(as many as a prompt of token ids filling a 1M-token context)", code="request_too_complex")
 
 
 def check_text(body) -> None:

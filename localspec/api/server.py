@@ -34,8 +34,8 @@ from starlette.routing import Route
 from ..core.engine import Engine
 from ..core.errors import LocalspecError
 from ..core.grammar import Grammar, GrammarError
-from .request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_text, parse_chat,
-                             parse_completion)
+from .request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_json_size, check_text,
+                      parse_chat, parse_completion)
 from .http import (LOOPBACK, MAX_BODY, BodyBudget, Cors, EventStream, HostCheck, ServeError, bind,  # noqa: F401
                    disconnected, json_400_protocol, read_body, response, sse)
 from .shapes import Chat, Completion, error
@@ -241,6 +241,7 @@ class App:
 
     @staticmethod
     def _decode(raw: bytes) -> dict:
+        check_json_size(raw)  # before json.loads builds it: 8 MiB of '[{},...]' is 2.8 million objects
         try:
             body = json.loads(raw, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:  # JSONDecodeError, undecodable bytes, absurd nesting
