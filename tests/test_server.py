@@ -468,6 +468,19 @@ def test_without_a_key_only_requests_naming_this_server_are_answered(server, sma
     assert r.status_code == 200
 
 
+def test_health_answers_only_this_servers_names_even_with_a_key(server):
+    """/health needs no key, and with --api-key it answered any Host: a DNS-rebinding page could watch when the
+    server was busy and how many requests waited."""
+    port = server.port
+    r = httpx.get(f"{server.url}/health", headers={"Host": f"evil.example:{port}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+    assert "--allow-host evil.example" in r.json()["error"]["message"] and "--api-key" not in r.json()["error"]["message"]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"192.168.1.20:{port}"):
+        assert httpx.get(f"{server.url}/health", headers={"Host": host}).json()["status"] == "ok", host
+    r = httpx.get(f"{server.url}/v1/models", headers={"Host": "evil.example", "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200  # the routes that need the key still answer any name
+
+
 def test_post_bodies_must_be_declared_json(small_server):
     # a cross-site page may POST text/plain or a form without a CORS preflight: such bodies are refused
     content = json.dumps(OK_CHAT).encode()

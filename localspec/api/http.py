@@ -148,10 +148,12 @@ def hostname(host: str) -> str:
 
 class HostCheck:
     """Refuses a Host header that names another site. A web page whose name is rebound to 127.0.0.1 (DNS
-    rebinding) reaches this port, but its requests still carry that name; an IP address cannot be rebound."""
+    rebinding) reaches this port, but its requests still carry that name; an IP address cannot be rebound.
 
-    def __init__(self, app, hosts: tuple[str, ...]):
-        self.app, self.hosts = app, {hostname(h) for h in hosts}
+    paths: the routes checked (None: all); with an API key only those that answer without one."""
+
+    def __init__(self, app, hosts: tuple[str, ...], paths: tuple[str, ...] | None = None):
+        self.app, self.hosts, self.paths = app, {hostname(h) for h in hosts}, paths
 
     def allowed(self, host: str) -> bool:
         if not host or "*" in self.hosts or host in self.hosts:  # no Host at all: not a browser
@@ -163,11 +165,12 @@ class HostCheck:
             return False
 
     async def __call__(self, scope, receive, send) -> None:
-        host = hostname(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else ""
+        checked = scope["type"] == "http" and (self.paths is None or scope["path"] in self.paths)
+        host = hostname(Headers(scope=scope).get("host", "")) if checked else ""
         if not self.allowed(host):
             refusal = response(ApiError(f"this server does not answer to the name {host!r}: start it with --allow-host "
-                                        f"{host} (or with --api-key) to use that name", status=403,
-                                        code="host_not_allowed"))
+                                        f"{host}{' (or with --api-key)' if self.paths is None else ''} to use that "
+                                        "name", status=403, code="host_not_allowed"))
             return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -390,7 +390,8 @@ def create_app(engine: Engine, *, api_key: str | Sequence[str] | None = None, co
                body_timeout_s: float = 30.0) -> Starlette:
     """The ASGI app: /v1/models, /v1/chat/completions, /v1/completions, /health over one engine.
 
-    hosts: the Host names answered when there is no api_key ('*': any; IP addresses always).
+    hosts: the Host names answered when there is no api_key, and by /health always ('*': any; IP addresses
+    always).
     defaults: generation options for requests that leave them out (over the engine's own).
     """
     app = App(engine, api_key=api_key, queue_size=queue_size, defaults=defaults or {},
@@ -402,8 +403,9 @@ def create_app(engine: Engine, *, api_key: str | Sequence[str] | None = None, co
         yield
         await asyncio.to_thread(app.worker.stop)
 
-    # with a key, a rebound page still cannot authenticate: Host names are then free
-    middleware = [Middleware(HostCheck, hosts=hosts)] if not api_keys(api_key) else []
+    # with a key, a rebound page still cannot authenticate: Host names are then free, except for /health, which
+    # answers without one (a rebound page could watch the server's activity)
+    middleware = [Middleware(HostCheck, hosts=hosts, paths=("/health",) if api_keys(api_key) else None)]
     if cors:
         middleware.append(Middleware(Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
                                      allow_headers=["*"]))
@@ -435,8 +437,9 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key:
           defaults: dict | None = None, socks: list[socket.socket] | None = None) -> None:
     """Serve until SIGINT/SIGTERM, which end the running and waiting generations with a 'shutting down' error.
 
-    Without an api_key, only requests naming this server in their Host header are answered: loopback names,
-    `host`, IP addresses and `allow_hosts`. socks: from bind(host, port) beforehand (bound here if None).
+    Requests whose Host header names another site are refused: every one without an api_key, those to /health
+    (which needs no key) with one. This server's names: loopback names, `host`, IP addresses and `allow_hosts`.
+    socks: from bind(host, port) beforehand (bound here if None).
     """
     socks = socks or bind(host, port)
     app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size, defaults=defaults,
