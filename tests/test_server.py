@@ -679,6 +679,85 @@ def test_an_incomplete_upload_logs_one_line(server):
     assert "Traceback" not in server.output()
 
 
+class Live:
+    """An ASGI app served by uvicorn with serve()'s protocol, in a thread of this process, on a free loopback port."""
+
+    def __init__(self, app, *, timeout_keep_alive: float = 5, **protocol):
+        import uvicorn
+
+        from localspec.api.http import json_400_protocol
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, http=json_400_protocol(**protocol), log_level="warning", lifespan="off",
+                                timeout_keep_alive=timeout_keep_alive)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One response whose body has a Content-Length, read off a kept-alive connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_connections_whose_headers_do_not_arrive_are_closed():
+    """Connections that sent part of their headers, or nothing, were held for as long as their clients liked
+    (300 over 75 s); uvicorn has no header timeout. An idle kept-alive connection is still uvicorn's to close."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with Live(app, header_timeout_s=0.5, timeout_keep_alive=2) as live:
+        silent, partial, kept, kept_partial = (live.connect() for _ in range(4))
+        t0 = time.monotonic()
+        partial.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+        for sock in (kept, kept_partial):
+            sock.sendall(request)
+            assert read_response(sock).endswith(b"\r\n\r\nok")
+        kept_partial.sendall(b"GET / HT")  # the next request, begun on the kept-alive connection
+        for sock in (silent, partial, kept_partial):
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 408"), data
+            assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+        assert time.monotonic() - t0 < 3
+        kept.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # idle past the header timeout: still open, kept alive
+            kept.recv(1)
+        kept.sendall(request)
+        assert read_response(kept).endswith(b"ok")
+        kept.settimeout(10)
+        t1 = time.monotonic()
+        assert kept.recv(1) == b""  # closed by uvicorn's keep-alive timeout, without a word
+        assert 1.5 < time.monotonic() - t1 < 5
+        for sock in (silent, partial, kept, kept_partial):
+            sock.close()
+
+
 def test_the_engine_sees_the_servers_queue():
     """auto prices a batched request's drafts by whether requests wait for a slot (costs.Shared): the server's
     queue is part of that, and a job that leaves it is no longer counted."""

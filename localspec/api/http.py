@@ -86,18 +86,65 @@ async def read_body(request: Request, timeout_s: float, budget: BodyBudget) -> b
     return b"".join(chunks)
 
 
-def json_400_protocol():
-    """uvicorn's HTTP protocol, answering a request it cannot parse (Content-Length '-5' or 'abc', an empty
-    Host) with an OpenAI error object, as every other refusal is, instead of uvicorn's plain text."""
+HEADER_TIMEOUT_S = 15.0  # a client sends its request line and headers at once: a slower one holds a connection
+
+
+def json_400_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
+    """uvicorn's HTTP protocol, plus:
+
+    - a request it cannot parse (Content-Length '-5' or 'abc', an empty Host) is answered with an OpenAI error
+      object, as every other refusal is, instead of uvicorn's plain text;
+    - a connection whose request headers have not all arrived within header_timeout_s of its opening, or of the
+      first byte of its next request, is answered 408 and closed: uvicorn has no such timeout, and 300
+      connections that sent half their headers, or nothing, were held for as long as their clients liked (an
+      idle connection between requests is uvicorn's, closed after its timeout_keep_alive).
+    """
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class Protocol(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            self._headers_of = None  # the request whose headers arrived last (uvicorn's cycle: a new one each)
+            self._timer = None  # the header timeout
+            super().connection_made(transport)
+            self._wait_headers()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not self._headers_of:  # a request's headers have all arrived
+                self._headers_of = self.cycle
+                self._cancel_timer()
+            elif self._timer is None and (self.cycle is None or self.cycle.response_complete):
+                # the first bytes of the next request: uvicorn has stopped its keep-alive timer
+                self._wait_headers()
+
+        def _wait_headers(self) -> None:
+            self._timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self._timer = None
+            if self.cycle is not self._headers_of or self.transport.is_closing():
+                return
+            self._answer(408, "Request Timeout", f"the request headers did not arrive within {header_timeout_s:g} s",
+                         "request_timeout")
+
+        def _cancel_timer(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_timer()
+            super().connection_lost(exc)
+
         def send_400_response(self, msg: str) -> None:
-            body = json.dumps(error("the request is not valid HTTP/1.1 (its request line or a header, such as a "
-                                    "Content-Length that is not a number or an empty Host, cannot be parsed)",
-                                    code="invalid_http_request")).encode()
-            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            self._answer(400, "Bad Request", "the request is not valid HTTP/1.1 (its request line or a header, such as "
+                         "a Content-Length that is not a number or an empty Host, cannot be parsed)",
+                         "invalid_http_request")
+
+        def _answer(self, status: int, reason: str, message: str, code: str) -> None:
+            body = json.dumps(error(message, code=code)).encode()
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                            b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body))
             self.transport.close()
 
     return Protocol
