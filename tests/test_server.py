@@ -670,6 +670,23 @@ def test_bodies_over_8_mib_get_413(server):
     assert r.startswith(b"HTTP/1.1 413"), r[:200]
 
 
+def test_a_client_that_sends_a_whole_body_over_8_mib_before_reading_gets_the_413(server):
+    """The server answered and closed while the body was still arriving; closed with bytes unread, the kernel
+    reset the connection and the client lost the 413 (the OpenAI SDK retried, then said "Connection error")."""
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * (12 << 20)}]}).encode()
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[i:i + (1 << 20)] for i in
+                                                               range(0, len(body), 1 << 20))) + b"0\r\n\r\n"
+    for head, sent in ((f"Content-Length: {len(body)}", body), ("Transfer-Encoding: chunked", chunked)):
+        r = raw_request(server, f"POST {CHAT} HTTP/1.1\r\n{head}", sent)  # all of it, then the answer is read
+        assert r.startswith(b"HTTP/1.1 413"), (head, r[:200])
+        assert json.loads(r.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as e:
+        server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * (9 << 20)}],
+                                                max_tokens=1)
+    assert e.value.status_code == 413 and e.value.code == "request_too_large"
+    assert server.health()["status"] == "ok"
+
+
 def test_an_incomplete_upload_logs_one_line(server):
     raw_request(server, f"POST {CHAT} HTTP/1.1\r\nContent-Length: 1000", b'{"messages": ', close=True)
     deadline = time.monotonic() + 10
@@ -756,6 +773,42 @@ def test_connections_whose_headers_do_not_arrive_are_closed():
         assert 1.5 < time.monotonic() - t1 < 5
         for sock in (silent, partial, kept, kept_partial):
             sock.close()
+
+
+def test_a_refused_upload_is_drained_for_a_bounded_time_and_size(monkeypatch):
+    """After a refusal the rest of a body is read and dropped so that the client gets the answer, but a client
+    that never stops sending is cut off: after LINGER_S, or after LINGER_BYTES."""
+    from localspec.api import http
+
+    async def app(scope, receive, send):
+        await receive()  # the first bytes of the body, then a refusal that closes the connection
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-length", b"2"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    def flood(sock, sent):
+        try:
+            while True:
+                sent[0] += sock.send(b"x" * 65536)
+        except OSError:
+            pass
+
+    for seconds, size in ((0.5, 1 << 40), (60, 4 << 20)):
+        monkeypatch.setattr(http, "LINGER_S", seconds)
+        monkeypatch.setattr(http, "LINGER_BYTES", size)
+        with Live(app) as live, live.connect() as sock:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000000000\r\n\r\n")
+            sent = [0]
+            sender = threading.Thread(target=flood, args=(sock, sent), daemon=True)
+            t0 = time.monotonic()
+            sender.start()
+            assert read_response(sock).startswith(b"HTTP/1.1 413")
+            sender.join(20)
+            assert not sender.is_alive(), "the server is still reading"
+            if seconds < 1:
+                assert time.monotonic() - t0 < 5
+            else:
+                assert sent[0] < size + (16 << 20)  # what the socket buffers hold besides
 
 
 def test_the_engine_sees_the_servers_queue():

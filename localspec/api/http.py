@@ -87,6 +87,9 @@ async def read_body(request: Request, timeout_s: float, budget: BodyBudget) -> b
 
 
 HEADER_TIMEOUT_S = 15.0  # a client sends its request line and headers at once: a slower one holds a connection
+# a refused upload's rest, read and dropped before closing: a client that sends its whole body before it reads
+# (the OpenAI SDK) then gets the refusal
+LINGER_S, LINGER_BYTES = 5.0, 64 << 20
 
 
 def json_400_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
@@ -97,18 +100,29 @@ def json_400_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
     - a connection whose request headers have not all arrived within header_timeout_s of its opening, or of the
       first byte of its next request, is answered 408 and closed: uvicorn has no such timeout, and 300
       connections that sent half their headers, or nothing, were held for as long as their clients liked (an
-      idle connection between requests is uvicorn's, closed after its timeout_keep_alive).
+      idle connection between requests is uvicorn's, closed after its timeout_keep_alive);
+    - a connection closed while its client is still sending the body (a refusal: 413, 408, 503) is closed
+      gently: the answer, then the end of our side, then the rest of the body read and dropped (LINGER_S and
+      LINGER_BYTES at most) until the client closes. Closed with bytes unread, the kernel resets the
+      connection, and a client that sends its whole body before reading lost the answer (the OpenAI SDK
+      retried, then said "Connection error").
     """
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class Protocol(AutoHTTPProtocol):
         def connection_made(self, transport) -> None:
+            self._raw, self._lingering = transport, None  # _lingering: bytes still to drop, once closing gently
             self._headers_of = None  # the request whose headers arrived last (uvicorn's cycle: a new one each)
-            self._timer = None  # the header timeout
-            super().connection_made(transport)
+            self._timer = None  # the header timeout, then the lingering one
+            super().connection_made(_Transport(transport, self))
             self._wait_headers()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering is not None:
+                self._lingering -= len(data)
+                if self._lingering < 0:
+                    self._raw.close()
+                return
             super().data_received(data)
             if self.cycle is not self._headers_of:  # a request's headers have all arrived
                 self._headers_of = self.cycle
@@ -122,7 +136,7 @@ def json_400_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
 
         def _headers_late(self) -> None:
             self._timer = None
-            if self.cycle is not self._headers_of or self.transport.is_closing():
+            if self.cycle is not self._headers_of or self._raw.is_closing():
                 return
             self._answer(408, "Request Timeout", f"the request headers did not arrive within {header_timeout_s:g} s",
                          "request_timeout")
@@ -132,9 +146,28 @@ def json_400_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
                 self._timer.cancel()
                 self._timer = None
 
+        def close_connection(self) -> None:
+            """Where uvicorn closes the connection."""
+            if self._lingering is not None or self._raw.is_closing():
+                self._raw.close()
+            elif self.cycle is not None and self.cycle.more_body and self._raw.can_write_eof():
+                self._lingering = LINGER_BYTES  # the client is still sending: close gently
+                self._raw.write_eof()  # once the answer is sent
+                self._raw.resume_reading()
+                self._cancel_timer()
+                self._timer = self.loop.call_later(LINGER_S, self._raw.close)
+            else:
+                self._raw.close()
+
         def connection_lost(self, exc) -> None:
             self._cancel_timer()
             super().connection_lost(exc)
+
+        def shutdown(self) -> None:
+            if self._lingering is not None:
+                self._raw.close()
+            else:
+                super().shutdown()
 
         def send_400_response(self, msg: str) -> None:
             self._answer(400, "Bad Request", "the request is not valid HTTP/1.1 (its request line or a header, such as "
@@ -143,11 +176,28 @@ def json_400_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
 
         def _answer(self, status: int, reason: str, message: str, code: str) -> None:
             body = json.dumps(error(message, code=code)).encode()
-            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            self._raw.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
                             b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body))
-            self.transport.close()
+            self._raw.close()
 
     return Protocol
+
+
+class _Transport:
+    """A connection's transport as uvicorn sees it: its closing is the protocol's (gentle where the client is
+    still sending), and once closing gently it is closing (uvicorn writes nothing more, keeps nothing alive)."""
+
+    def __init__(self, transport, protocol):
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.close_connection()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering is not None or self._transport.is_closing()
 
 
 async def disconnected(receive) -> None:
