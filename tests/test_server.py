@@ -699,7 +699,7 @@ def test_an_incomplete_upload_logs_one_line(server):
 class Live:
     """An ASGI app served by uvicorn with serve()'s protocol, in a thread of this process, on a free loopback port."""
 
-    def __init__(self, app, *, timeout_keep_alive: float = 5, **protocol):
+    def __init__(self, app, *, timeout_keep_alive: float = 5, lifespan: str = "off", **protocol):
         import uvicorn
 
         from localspec.api.http import json_400_protocol
@@ -707,7 +707,7 @@ class Live:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, http=json_400_protocol(**protocol), log_level="warning", lifespan="off",
+        config = uvicorn.Config(app, http=json_400_protocol(**protocol), log_level="warning", lifespan=lifespan,
                                 timeout_keep_alive=timeout_keep_alive)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -809,6 +809,68 @@ def test_a_refused_upload_is_drained_for_a_bounded_time_and_size(monkeypatch):
                 assert time.monotonic() - t0 < 5
             else:
                 assert sent[0] < size + (16 << 20)  # what the socket buffers hold besides
+
+
+def test_schema_compiles_are_bounded_remembered_and_spared_by_a_full_queue(smol_engine, monkeypatch):
+    """A schema's compile can take seconds of CPU (300 pattern properties that refer to it: 7.5 s to refuse), and
+    it ran on arrival, before any queue limit, as many at once as clients sent, and again for each resend of a
+    refused one. Now two compile at once (a third meanwhile: 503 queue_full), outcomes are remembered, and a
+    request that a full queue would refuse is not compiled."""
+    from localspec.core import grammar as grammar_module
+
+    real_compile, real_matcher = grammar_module._cached, grammar_module.Grammar.__init__
+    compiled, matchers, release = [], [], threading.Event()
+
+    def compile_(field, text):
+        compiled.append(text)
+        if "slow" in text:  # a compile that takes a while
+            release.wait(30)
+        return real_compile(field, text)
+
+    def matcher(self, *args, **kwargs):
+        matchers.append(1)
+        real_matcher(self, *args, **kwargs)
+
+    monkeypatch.setattr(grammar_module, "_cached", compile_)
+    monkeypatch.setattr(grammar_module.Grammar, "__init__", matcher)
+
+    def ask(schema, timeout=60):
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        return httpx.post(url + CHAT, json=OK_CHAT | {"max_tokens": 1, "response_format": rf}, timeout=timeout)
+
+    app = create_app(smol_engine)
+    with Live(app, lifespan="on") as live:
+        url = f"http://127.0.0.1:{live.port}"
+        invalid = {"type": "strin"}
+        for _ in range(3):  # refused by the compiler, which is asked once
+            r = ask(invalid)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        assert sum(json.dumps(invalid) in t for t in compiled) == 1
+        selfref = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+        n = len(matchers)
+        for _ in range(2):  # refused by its matcher's first mask, which is built once
+            assert ask(selfref).status_code == 400
+        assert len(matchers) == n + 1
+
+        with ThreadPoolExecutor(2) as pool:
+            slow = [pool.submit(ask, {"type": "strin", "description": f"slow {i}"}) for i in range(2)]
+            deadline = time.monotonic() + 30
+            while sum("slow" in t for t in compiled) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            try:
+                r = ask({"type": "object", "description": "another"}, timeout=10)
+            finally:
+                release.set()
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full" and "compiling" in r.json()["error"]["message"]
+            assert [f.result().status_code for f in slow] == [400, 400]  # their compiles went on to the end
+
+        app.state.worker.queue_size = 0  # full: refused before its schema is compiled
+        n = len(compiled)
+        r = ask({"type": "object", "description": "never compiled"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert len(compiled) == n
 
 
 def test_the_engine_sees_the_servers_queue():

@@ -1,15 +1,18 @@
-"""HTTP plumbing of the server, below its routes: bounded request bodies, server-sent events, the Host-header
-and CORS checks (a browser tab is a client too), OpenAI-shaped error responses, and binding the sockets.
+"""HTTP plumbing of the server, below its routes: bounded request bodies and compiles, server-sent events, the
+Host-header and CORS checks (a browser tab is a client too), OpenAI-shaped error responses, and binding the sockets.
 """
 from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import ipaddress
 import json
 import logging
 import os
 import socket
+import threading
+from collections import OrderedDict
 from typing import AsyncIterator
 
 from starlette.datastructures import Headers
@@ -18,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.errors import LocalspecError
+from ..core.grammar import Grammar, GrammarError, compile_spec
 from .request import ApiError
 from .shapes import error
 
@@ -50,6 +54,51 @@ class BodyBudget:
 
     def give(self, n: int) -> None:
         self.held -= n
+
+
+class Constraints:
+    """Compiles requests' schemas, grammars and regexes on arrival, within bounds. One can take seconds of CPU
+    that llguidance's limits do not bound (a 9.6 KB schema of 300 pattern properties that refer to it: 8-9 s to
+    refuse, each time it was sent), and a request compiles before it reaches the queue: so at most `slots`
+    compile at once (another meanwhile is a 503 queue_full, as a full queue), and each text's outcome, compiled
+    or refused, is kept by its hash (the last `kept` texts): an app resends its schema, and a refused one sent
+    again costs nothing."""
+
+    def __init__(self, engine, *, slots: int = 2, kept: int = 256):
+        self.engine, self.kept = engine, kept
+        self.slots = threading.Semaphore(slots)  # each compile takes a core: a small machine has few
+        self.outcomes: OrderedDict[bytes, str | None] = OrderedDict()  # hash -> None (compiled) or the refusal
+        self.lock = threading.Lock()  # guards outcomes: requests are parsed in several threads
+
+    def __call__(self, fields: dict, *, matcher: bool = True) -> None:
+        """Compile a constraint ({"json_schema": ...}) as the engine will, or GrammarError; with `matcher`, build
+        its matcher and first mask too (llguidance refuses some grammars only there: a schema that refers to
+        itself)."""
+        key = hashlib.sha256(json.dumps([matcher, fields]).encode()).digest()
+        with self.lock:
+            known = key in self.outcomes
+            if known:
+                self.outcomes.move_to_end(key)
+                refusal = self.outcomes[key]
+        if not known:
+            if not self.slots.acquire(blocking=False):
+                raise ApiError("the server is busy compiling other requests' schemas or grammars; retry shortly",
+                               status=503, type="server_error", code="queue_full", headers={"Retry-After": "1"})
+            try:
+                spec = compile_spec(**fields)
+                if matcher:
+                    Grammar(self.engine.target, spec).allowed()
+                refusal = None
+            except GrammarError as e:
+                refusal = str(e)
+            finally:
+                self.slots.release()
+            with self.lock:
+                self.outcomes[key] = refusal
+                if len(self.outcomes) > self.kept:
+                    self.outcomes.popitem(last=False)
+        if refusal is not None:
+            raise GrammarError(refusal)
 
 
 async def read_body(request: Request, timeout_s: float, budget: BodyBudget) -> bytes:

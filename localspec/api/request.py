@@ -175,15 +175,22 @@ def extras(body: dict, *, chat: bool) -> tuple[dict, dict, bool]:
     return options, names, bool(so and so.get("include_usage"))
 
 
+_CONSTRAINTS = ("json_schema", "grammar", "regex", "json_object")
+
+
 def check_options(options: dict, names: dict, constraint=None) -> None:
     """The engine's own range checks and the constraint's compilation, before the request waits its turn.
-    constraint(grammar), when given, builds the matcher the engine will build (the server's: a schema that
-    llguidance refuses only then, such as one that refers to itself, is a 400 on arrival, not at the head of
-    the queue)."""
+    constraint(fields), when given, compiles the constraint ({"json_schema": ...}) in the engine's place: the
+    server's (server.Constraints) also builds the matcher the engine will build (a schema that llguidance refuses
+    only then, such as one that refers to itself, is a 400 on arrival, not at the head of the queue), and bounds
+    the CPU that compiling takes."""
+    given = {k: options[k] for k in _CONSTRAINTS if options.get(k) not in (None, False)}
     try:
-        spec = make_request(**options).constraint()
-        if spec is not None and constraint is not None:
-            constraint(spec)
+        if constraint is None or not given:
+            make_request(**options)  # compiles the constraint
+        else:
+            make_request(**{k: v for k, v in options.items() if k not in given})
+            constraint(given)
     except LocalspecError as e:
         raise bad_request(e, names, None) from None
 
@@ -200,8 +207,9 @@ def bad_request(e: LocalspecError, names: dict, fallback: str | None) -> ApiErro
 
 
 def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, response_format=None, template=None,
-               token_of=None) -> tuple[dict, dict, list[dict] | None, ToolFormat | None]:
-    """response_format and tools -> (engine options, option -> field, tools for the template, format to parse)."""
+               token_of=None, constraint=None) -> tuple[dict, dict, list[dict] | None, ToolFormat | None]:
+    """response_format and tools -> (engine options, option -> field, tools for the template, format to parse).
+    constraint: as check_options', to compile each tool's parameters."""
     options, names = {}, {}
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -237,7 +245,10 @@ def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, respon
         raise ApiError(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
     for i, t in enumerate(tools):  # each schema on its own: an error names its tool, not the call grammar
         try:
-            compile_spec(json_schema=_params(t))  # as the call constrains them
+            if constraint is None:
+                compile_spec(json_schema=_params(t))  # as the call constrains them
+            else:  # alone: the call's grammar, which holds them all, is checked whole
+                constraint({"json_schema": _params(t)}, matcher=False)
         except GrammarError as e:
             where = f"tools[{i}].function.parameters"
             raise ApiError(f"{where} ({t['function']['name']}): {str(e).removeprefix('json_schema ')}",
@@ -262,7 +273,7 @@ def parse_chat(body: dict, *, defaults: dict, n_ctx: int, template: str | None, 
     messages = parse_messages(body.get("messages"), n_ctx=n_ctx)
     options, names = parse_options(body, chat=True, defaults=defaults)
     extra, extra_names, tools, fmt = structured(**{k: body.get(k) for k in _STRUCTURED}, template=template,
-                                                token_of=token_of)
+                                                token_of=token_of, constraint=constraint)
     more, more_names, include_usage = extras(body, chat=True)
     options, names = options | extra | more, names | extra_names | more_names
     check_options(options, names, constraint)

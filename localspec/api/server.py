@@ -33,11 +33,11 @@ from starlette.routing import Route
 
 from ..core.engine import Engine
 from ..core.errors import LocalspecError
-from ..core.grammar import Grammar, GrammarError
+from ..core.grammar import GrammarError
 from .request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_json_size, check_text,
                       parse_chat, parse_completion)
-from .http import (LOOPBACK, MAX_BODY, BodyBudget, Cors, EventStream, HostCheck, ServeError, bind,  # noqa: F401
-                   disconnected, json_400_protocol, read_body, response, sse)
+from .http import (LOOPBACK, MAX_BODY, BodyBudget, Constraints, Cors, EventStream, HostCheck, ServeError,  # noqa: F401
+                   bind, disconnected, json_400_protocol, read_body, response, sse)
 from .shapes import Chat, Completion, error
 from .tools import for_template
 
@@ -100,9 +100,7 @@ class Worker:
             if self.closing:
                 raise _shutting_down()
             if len(self.waiting) >= self.queue_size:
-                raise ApiError(f"the server is busy ({self.queue_size} requests waiting); retry shortly",
-                               status=503, type="server_error", code="queue_full",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})
+                raise _queue_full(f"{self.queue_size} requests waiting")
             self.waiting.append(job)
             self.lock.notify()
 
@@ -207,6 +205,11 @@ def _shutting_down() -> ApiError:
     return ApiError("the server is shutting down", status=503, type="server_error", code="shutting_down")
 
 
+def _queue_full(why: str) -> ApiError:
+    return ApiError(f"the server is busy ({why}); retry shortly", status=503, type="server_error", code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 class App:
     """The routes over one engine; `create_app` wraps it in Starlette."""
 
@@ -217,6 +220,7 @@ class App:
         self.worker = Worker(engine, queue_size)
         self.created = int(time.time())
         self.bodies = BodyBudget(MAX_HELD)  # bytes of request bodies arrived and not yet parsed
+        self.constraints = Constraints(engine)
 
     def _authorize(self, request: Request) -> str:
         """The request's scope: which key it holds ('' where the server has none), or 401."""
@@ -256,16 +260,12 @@ class App:
     def _parse_chat(self, raw: bytes):
         llm = self.engine
         return parse_chat(self._decode(raw), defaults=self.defaults, n_ctx=llm.target.n_ctx,
-                          template=llm.target.chat_template(), token_of=llm.single_token, constraint=self._matcher)
+                          template=llm.target.chat_template(), token_of=llm.single_token,
+                          constraint=self.constraints)
 
     def _parse_completion(self, raw: bytes):
         return parse_completion(self._decode(raw), defaults=self.defaults, n_vocab=self.engine.target.n_vocab,
-                                constraint=self._matcher)
-
-    def _matcher(self, spec: str) -> None:
-        """The constraint's matcher, built as the engine will build it, and its first mask: llguidance refuses some
-        grammars only there (a schema that refers to itself), which was a 400 at the head of the queue."""
-        Grammar(self.engine.target, spec).allowed()
+                                constraint=self.constraints)
 
     async def health(self, request: Request) -> Response:
         w = self.worker
@@ -296,6 +296,9 @@ class App:
         scope = self._authorize(request)
         raw = await self._body(request)
         try:
+            w = self.worker
+            if len(w.waiting) >= w.queue_size:  # it would be refused once parsed: spare the parse, and a compile
+                raise _queue_full(f"{w.queue_size} requests waiting")
             return await asyncio.to_thread(parse, raw), scope
         finally:
             self.bodies.give(len(raw))
