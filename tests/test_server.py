@@ -474,7 +474,8 @@ def test_health_answers_only_this_servers_names_even_with_a_key(server):
     port = server.port
     r = httpx.get(f"{server.url}/health", headers={"Host": f"evil.example:{port}"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
-    assert "--allow-host evil.example" in r.json()["error"]["message"] and "--api-key" not in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert "--allow-host evil.example" in message and "--api-key" not in message
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"192.168.1.20:{port}"):
         assert httpx.get(f"{server.url}/health", headers={"Host": host}).json()["status"] == "ok", host
     r = httpx.get(f"{server.url}/v1/models", headers={"Host": "evil.example", "Authorization": f"Bearer {KEY}"})
@@ -733,7 +734,8 @@ def read_response(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
