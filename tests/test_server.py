@@ -468,6 +468,20 @@ def test_without_a_key_only_requests_naming_this_server_are_answered(server, sma
     assert r.status_code == 200
 
 
+def test_health_answers_only_this_servers_names_even_with_a_key(server):
+    """/health needs no key, and with --api-key it answered any Host: a DNS-rebinding page could watch when the
+    server was busy and how many requests waited."""
+    port = server.port
+    r = httpx.get(f"{server.url}/health", headers={"Host": f"evil.example:{port}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+    message = r.json()["error"]["message"]
+    assert "--allow-host evil.example" in message and "--api-key" not in message
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"192.168.1.20:{port}"):
+        assert httpx.get(f"{server.url}/health", headers={"Host": host}).json()["status"] == "ok", host
+    r = httpx.get(f"{server.url}/v1/models", headers={"Host": "evil.example", "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200  # the routes that need the key still answer any name
+
+
 def test_post_bodies_must_be_declared_json(small_server):
     # a cross-site page may POST text/plain or a form without a CORS preflight: such bodies are refused
     content = json.dumps(OK_CHAT).encode()
@@ -583,6 +597,9 @@ BAD = {
     "a 257-character stop string": (CHAT, OK_CHAT | {"stop": "x" * 257}, 400, "stop"),
     "an empty stop string": (CHAT, OK_CHAT | {"stop": ""}, 400, "stop"),
     "more messages than context": (CHAT, OK_CHAT | {"messages": MESSAGES * 1025}, 400, "messages"),
+    # what parsing would build, in a field that is otherwise ignored (8 MiB of {} held 620 MB for a while)
+    "metadata of 120,000 objects": (CHAT, OK_CHAT | {"metadata": [{}] * 120_000}, 400, None),
+    "metadata of 1.1 million numbers": (CHAT, OK_CHAT | {"metadata": [0] * 1_100_000}, 400, None),
     # nesting that later steps (error messages, templates, schemas) would walk recursively
     "max_tokens nested 900 deep": (CHAT, ("{" + '"messages": [{"role": "user", "content": "hi"}], "max_tokens": '
                                           + "[" * 900 + "]" * 900 + "}").encode(), 400, "max_tokens"),
@@ -654,6 +671,23 @@ def test_bodies_over_8_mib_get_413(server):
     assert r.startswith(b"HTTP/1.1 413"), r[:200]
 
 
+def test_a_client_that_sends_a_whole_body_over_8_mib_before_reading_gets_the_413(server):
+    """The server answered and closed while the body was still arriving; closed with bytes unread, the kernel
+    reset the connection and the client lost the 413 (the OpenAI SDK retried, then said "Connection error")."""
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * (12 << 20)}]}).encode()
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[i:i + (1 << 20)] for i in
+                                                               range(0, len(body), 1 << 20))) + b"0\r\n\r\n"
+    for head, sent in ((f"Content-Length: {len(body)}", body), ("Transfer-Encoding: chunked", chunked)):
+        r = raw_request(server, f"POST {CHAT} HTTP/1.1\r\n{head}", sent)  # all of it, then the answer is read
+        assert r.startswith(b"HTTP/1.1 413"), (head, r[:200])
+        assert json.loads(r.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as e:
+        server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * (9 << 20)}],
+                                                max_tokens=1)
+    assert e.value.status_code == 413 and e.value.code == "request_too_large"
+    assert server.health()["status"] == "ok"
+
+
 def test_an_incomplete_upload_logs_one_line(server):
     raw_request(server, f"POST {CHAT} HTTP/1.1\r\nContent-Length: 1000", b'{"messages": ', close=True)
     deadline = time.monotonic() + 10
@@ -661,6 +695,184 @@ def test_an_incomplete_upload_logs_one_line(server):
         assert time.monotonic() < deadline, server.output()[-2000:]
         time.sleep(0.05)
     assert "Traceback" not in server.output()
+
+
+class Live:
+    """An ASGI app served by uvicorn with serve()'s protocol, in a thread of this process, on a free loopback port."""
+
+    def __init__(self, app, *, timeout_keep_alive: float = 5, lifespan: str = "off", **protocol):
+        import uvicorn
+
+        from localspec.api.http import json_400_protocol
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, http=json_400_protocol(**protocol), log_level="warning", lifespan=lifespan,
+                                timeout_keep_alive=timeout_keep_alive)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One response whose body has a Content-Length, read off a kept-alive connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_connections_whose_headers_do_not_arrive_are_closed():
+    """Connections that sent part of their headers, or nothing, were held for as long as their clients liked
+    (300 over 75 s); uvicorn has no header timeout. An idle kept-alive connection is still uvicorn's to close."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with Live(app, header_timeout_s=0.5, timeout_keep_alive=2) as live:
+        silent, partial, kept, kept_partial = (live.connect() for _ in range(4))
+        t0 = time.monotonic()
+        partial.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
+        for sock in (kept, kept_partial):
+            sock.sendall(request)
+            assert read_response(sock).endswith(b"\r\n\r\nok")
+        kept_partial.sendall(b"GET / HT")  # the next request, begun on the kept-alive connection
+        for sock in (silent, partial, kept_partial):
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 408"), data
+            assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+        assert time.monotonic() - t0 < 3
+        kept.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # idle past the header timeout: still open, kept alive
+            kept.recv(1)
+        kept.sendall(request)
+        assert read_response(kept).endswith(b"ok")
+        kept.settimeout(10)
+        t1 = time.monotonic()
+        assert kept.recv(1) == b""  # closed by uvicorn's keep-alive timeout, without a word
+        assert 1.5 < time.monotonic() - t1 < 5
+        for sock in (silent, partial, kept, kept_partial):
+            sock.close()
+
+
+def test_a_refused_upload_is_drained_for_a_bounded_time_and_size(monkeypatch):
+    """After a refusal the rest of a body is read and dropped so that the client gets the answer, but a client
+    that never stops sending is cut off: after LINGER_S, or after LINGER_BYTES."""
+    from localspec.api import http
+
+    async def app(scope, receive, send):
+        await receive()  # the first bytes of the body, then a refusal that closes the connection
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-length", b"2"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    def flood(sock, sent):
+        try:
+            while True:
+                sent[0] += sock.send(b"x" * 65536)
+        except OSError:
+            pass
+
+    for seconds, size in ((0.5, 1 << 40), (60, 4 << 20)):
+        monkeypatch.setattr(http, "LINGER_S", seconds)
+        monkeypatch.setattr(http, "LINGER_BYTES", size)
+        with Live(app) as live, live.connect() as sock:
+            sock.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000000000\r\n\r\n")
+            sent = [0]
+            sender = threading.Thread(target=flood, args=(sock, sent), daemon=True)
+            t0 = time.monotonic()
+            sender.start()
+            assert read_response(sock).startswith(b"HTTP/1.1 413")
+            sender.join(20)
+            assert not sender.is_alive(), "the server is still reading"
+            if seconds < 1:
+                assert time.monotonic() - t0 < 5
+            else:
+                assert sent[0] < size + (16 << 20)  # what the socket buffers hold besides
+
+
+def test_schema_compiles_are_bounded_remembered_and_spared_by_a_full_queue(smol_engine, monkeypatch):
+    """A schema's compile can take seconds of CPU (300 pattern properties that refer to it: 7.5 s to refuse), and
+    it ran on arrival, before any queue limit, as many at once as clients sent, and again for each resend of a
+    refused one. Now two compile at once (a third meanwhile: 503 queue_full), outcomes are remembered, and a
+    request that a full queue would refuse is not compiled."""
+    from localspec.core import grammar as grammar_module
+
+    real_compile, real_matcher = grammar_module._cached, grammar_module.Grammar.__init__
+    compiled, matchers, release = [], [], threading.Event()
+
+    def compile_(field, text):
+        compiled.append(text)
+        if "slow" in text:  # a compile that takes a while
+            release.wait(30)
+        return real_compile(field, text)
+
+    def matcher(self, *args, **kwargs):
+        matchers.append(1)
+        real_matcher(self, *args, **kwargs)
+
+    monkeypatch.setattr(grammar_module, "_cached", compile_)
+    monkeypatch.setattr(grammar_module.Grammar, "__init__", matcher)
+
+    def ask(schema, timeout=60):
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        return httpx.post(url + CHAT, json=OK_CHAT | {"max_tokens": 1, "response_format": rf}, timeout=timeout)
+
+    app = create_app(smol_engine)
+    with Live(app, lifespan="on") as live:
+        url = f"http://127.0.0.1:{live.port}"
+        invalid = {"type": "strin"}
+        for _ in range(3):  # refused by the compiler, which is asked once
+            r = ask(invalid)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        assert sum(json.dumps(invalid) in t for t in compiled) == 1
+        selfref = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+        n = len(matchers)
+        for _ in range(2):  # refused by its matcher's first mask, which is built once
+            assert ask(selfref).status_code == 400
+        assert len(matchers) == n + 1
+
+        with ThreadPoolExecutor(2) as pool:
+            slow = [pool.submit(ask, {"type": "strin", "description": f"slow {i}"}) for i in range(2)]
+            deadline = time.monotonic() + 30
+            while sum("slow" in t for t in compiled) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            try:
+                r = ask({"type": "object", "description": "another"}, timeout=10)
+            finally:
+                release.set()
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full" and "compiling" in r.json()["error"]["message"]
+            assert [f.result().status_code for f in slow] == [400, 400]  # their compiles went on to the end
+
+        app.state.worker.queue_size = 0  # full: refused before its schema is compiled
+        n = len(compiled)
+        r = ask({"type": "object", "description": "never compiled"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert len(compiled) == n
 
 
 def test_the_engine_sees_the_servers_queue():
@@ -913,6 +1125,30 @@ def test_check_text_bounds_nesting_and_names_the_field():
     with pytest.raises(ApiError) as e:
         check_text({"messages": [{"content": [{"text": "ok"}, {"text": "\ud800"}]}]})
     assert e.value.param == "messages[0].content[1].text"
+
+
+def test_a_body_is_refused_by_what_its_parse_would_build_before_it_is_parsed(monkeypatch):
+    """8 MiB of '[{},{},...]' in the ignored `metadata` was parsed into 2.8 million objects (620 MB, for a while);
+    the body's objects, arrays and values are counted outside its strings first."""
+    from localspec.api import request as rq
+
+    loads = []
+    monkeypatch.setattr(rq.json, "loads", lambda *a, **k: loads.append(1))  # not reached when refused
+    for body, what in [({"metadata": [{}] * (rq.MAX_JSON_CONTAINERS + 1)}, "100,003 JSON objects and arrays"),
+                       ({"metadata": [[1, 2]] * (rq.MAX_JSON_CONTAINERS // 2)}, None),
+                       ({"prompt": list(range(rq.MAX_JSON_VALUES - 1))}, None),
+                       ({"prompt": list(range(rq.MAX_JSON_VALUES))}, "1,048,577 JSON values"),
+                       # inside strings, escaped quotes and backslashes included, nothing is counted
+                       ({"content": ['a "quoted" {[,]} \\", [{' * 40] * 30_000}, None)]:
+        raw = json.dumps(body).encode()
+        if what is None:
+            rq.check_json_size(raw)
+            continue
+        with pytest.raises(rq.ApiError) as e:
+            rq.check_json_size(raw)
+        assert e.value.status == 400 and e.value.code == "request_too_complex" and what in str(e.value)
+        assert "at most" in str(e.value)
+    assert not loads
 
 
 def test_tool_parameters_with_defs_and_refs_constrain_the_call(smol_engine):

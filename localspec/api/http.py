@@ -1,15 +1,18 @@
-"""HTTP plumbing of the server, below its routes: bounded request bodies, server-sent events, the Host-header
-and CORS checks (a browser tab is a client too), OpenAI-shaped error responses, and binding the sockets.
+"""HTTP plumbing of the server, below its routes: bounded request bodies and compiles, server-sent events, the
+Host-header and CORS checks (a browser tab is a client too), OpenAI-shaped error responses, and binding the sockets.
 """
 from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import ipaddress
 import json
 import logging
 import os
 import socket
+import threading
+from collections import OrderedDict
 from typing import AsyncIterator
 
 from starlette.datastructures import Headers
@@ -18,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.errors import LocalspecError
+from ..core.grammar import Grammar, GrammarError, compile_spec
 from .request import ApiError
 from .shapes import error
 
@@ -50,6 +54,51 @@ class BodyBudget:
 
     def give(self, n: int) -> None:
         self.held -= n
+
+
+class Constraints:
+    """Compiles requests' schemas, grammars and regexes on arrival, within bounds. One can take seconds of CPU
+    that llguidance's limits do not bound (a 9.6 KB schema of 300 pattern properties that refer to it: 8-9 s to
+    refuse, each time it was sent), and a request compiles before it reaches the queue: so at most `slots`
+    compile at once (another meanwhile is a 503 queue_full, as a full queue), and each text's outcome, compiled
+    or refused, is kept by its hash (the last `kept` texts): an app resends its schema, and a refused one sent
+    again costs nothing."""
+
+    def __init__(self, engine, *, slots: int = 2, kept: int = 256):
+        self.engine, self.kept = engine, kept
+        self.slots = threading.Semaphore(slots)  # each compile takes a core: a small machine has few
+        self.outcomes: OrderedDict[bytes, str | None] = OrderedDict()  # hash -> None (compiled) or the refusal
+        self.lock = threading.Lock()  # guards outcomes: requests are parsed in several threads
+
+    def __call__(self, fields: dict, *, matcher: bool = True) -> None:
+        """Compile a constraint ({"json_schema": ...}) as the engine will, or GrammarError; with `matcher`, build
+        its matcher and first mask too (llguidance refuses some grammars only there: a schema that refers to
+        itself)."""
+        key = hashlib.sha256(json.dumps([matcher, fields]).encode()).digest()
+        with self.lock:
+            known = key in self.outcomes
+            if known:
+                self.outcomes.move_to_end(key)
+                refusal = self.outcomes[key]
+        if not known:
+            if not self.slots.acquire(blocking=False):
+                raise ApiError("the server is busy compiling other requests' schemas or grammars; retry shortly",
+                               status=503, type="server_error", code="queue_full", headers={"Retry-After": "1"})
+            try:
+                spec = compile_spec(**fields)
+                if matcher:
+                    Grammar(self.engine.target, spec).allowed()
+                refusal = None
+            except GrammarError as e:
+                refusal = str(e)
+            finally:
+                self.slots.release()
+            with self.lock:
+                self.outcomes[key] = refusal
+                if len(self.outcomes) > self.kept:
+                    self.outcomes.popitem(last=False)
+        if refusal is not None:
+            raise GrammarError(refusal)
 
 
 async def read_body(request: Request, timeout_s: float, budget: BodyBudget) -> bytes:
@@ -86,21 +135,118 @@ async def read_body(request: Request, timeout_s: float, budget: BodyBudget) -> b
     return b"".join(chunks)
 
 
-def json_400_protocol():
-    """uvicorn's HTTP protocol, answering a request it cannot parse (Content-Length '-5' or 'abc', an empty
-    Host) with an OpenAI error object, as every other refusal is, instead of uvicorn's plain text."""
+HEADER_TIMEOUT_S = 15.0  # a client sends its request line and headers at once: a slower one holds a connection
+# a refused upload's rest, read and dropped before closing: a client that sends its whole body before it reads
+# (the OpenAI SDK) then gets the refusal
+LINGER_S, LINGER_BYTES = 5.0, 64 << 20
+
+
+def json_400_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
+    """uvicorn's HTTP protocol, plus:
+
+    - a request it cannot parse (Content-Length '-5' or 'abc', an empty Host) is answered with an OpenAI error
+      object, as every other refusal is, instead of uvicorn's plain text;
+    - a connection whose request headers have not all arrived within header_timeout_s of its opening, or of the
+      first byte of its next request, is answered 408 and closed: uvicorn has no such timeout, and 300
+      connections that sent half their headers, or nothing, were held for as long as their clients liked (an
+      idle connection between requests is uvicorn's, closed after its timeout_keep_alive);
+    - a connection closed while its client is still sending the body (a refusal: 413, 408, 503) is closed
+      gently: the answer, then the end of our side, then the rest of the body read and dropped (LINGER_S and
+      LINGER_BYTES at most) until the client closes. Closed with bytes unread, the kernel resets the
+      connection, and a client that sends its whole body before reading lost the answer (the OpenAI SDK
+      retried, then said "Connection error").
+    """
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class Protocol(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            self._raw, self._lingering = transport, None  # _lingering: bytes still to drop, once closing gently
+            self._headers_of = None  # the request whose headers arrived last (uvicorn's cycle: a new one each)
+            self._timer = None  # the header timeout, then the lingering one
+            super().connection_made(_Transport(transport, self))
+            self._wait_headers()
+
+        def data_received(self, data: bytes) -> None:
+            if self._lingering is not None:
+                self._lingering -= len(data)
+                if self._lingering < 0:
+                    self._raw.close()
+                return
+            super().data_received(data)
+            if self.cycle is not self._headers_of:  # a request's headers have all arrived
+                self._headers_of = self.cycle
+                self._cancel_timer()
+            elif self._timer is None and (self.cycle is None or self.cycle.response_complete):
+                # the first bytes of the next request: uvicorn has stopped its keep-alive timer
+                self._wait_headers()
+
+        def _wait_headers(self) -> None:
+            self._timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self._timer = None
+            if self.cycle is not self._headers_of or self._raw.is_closing():
+                return
+            self._answer(408, "Request Timeout", f"the request headers did not arrive within {header_timeout_s:g} s",
+                         "request_timeout")
+
+        def _cancel_timer(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def close_connection(self) -> None:
+            """Where uvicorn closes the connection."""
+            if self._lingering is not None or self._raw.is_closing():
+                self._raw.close()
+            elif self.cycle is not None and self.cycle.more_body and self._raw.can_write_eof():
+                self._lingering = LINGER_BYTES  # the client is still sending: close gently
+                self._raw.write_eof()  # once the answer is sent
+                self._raw.resume_reading()
+                self._cancel_timer()
+                self._timer = self.loop.call_later(LINGER_S, self._raw.close)
+            else:
+                self._raw.close()
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_timer()
+            super().connection_lost(exc)
+
+        def shutdown(self) -> None:
+            if self._lingering is not None:
+                self._raw.close()
+            else:
+                super().shutdown()
+
         def send_400_response(self, msg: str) -> None:
-            body = json.dumps(error("the request is not valid HTTP/1.1 (its request line or a header, such as a "
-                                    "Content-Length that is not a number or an empty Host, cannot be parsed)",
-                                    code="invalid_http_request")).encode()
-            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-            self.transport.close()
+            self._answer(400, "Bad Request", "the request is not valid HTTP/1.1 (its request line or a header, such as "
+                         "a Content-Length that is not a number or an empty Host, cannot be parsed)",
+                         "invalid_http_request")
+
+        def _answer(self, status: int, reason: str, message: str, code: str) -> None:
+            body = json.dumps(error(message, code=code)).encode()
+            self._raw.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                            b"content-length: %d\r\n\r\n%s" % (status, reason.encode(), len(body), body))
+            self._raw.close()
 
     return Protocol
+
+
+class _Transport:
+    """A connection's transport as uvicorn sees it: its closing is the protocol's (gentle where the client is
+    still sending), and once closing gently it is closing (uvicorn writes nothing more, keeps nothing alive)."""
+
+    def __init__(self, transport, protocol):
+        self._transport, self._protocol = transport, protocol
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.close_connection()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering is not None or self._transport.is_closing()
 
 
 async def disconnected(receive) -> None:
@@ -148,10 +294,12 @@ def hostname(host: str) -> str:
 
 class HostCheck:
     """Refuses a Host header that names another site. A web page whose name is rebound to 127.0.0.1 (DNS
-    rebinding) reaches this port, but its requests still carry that name; an IP address cannot be rebound."""
+    rebinding) reaches this port, but its requests still carry that name; an IP address cannot be rebound.
 
-    def __init__(self, app, hosts: tuple[str, ...]):
-        self.app, self.hosts = app, {hostname(h) for h in hosts}
+    paths: the routes checked (None: all); with an API key only those that answer without one."""
+
+    def __init__(self, app, hosts: tuple[str, ...], paths: tuple[str, ...] | None = None):
+        self.app, self.hosts, self.paths = app, {hostname(h) for h in hosts}, paths
 
     def allowed(self, host: str) -> bool:
         if not host or "*" in self.hosts or host in self.hosts:  # no Host at all: not a browser
@@ -163,11 +311,12 @@ class HostCheck:
             return False
 
     async def __call__(self, scope, receive, send) -> None:
-        host = hostname(Headers(scope=scope).get("host", "")) if scope["type"] == "http" else ""
+        checked = scope["type"] == "http" and (self.paths is None or scope["path"] in self.paths)
+        host = hostname(Headers(scope=scope).get("host", "")) if checked else ""
         if not self.allowed(host):
             refusal = response(ApiError(f"this server does not answer to the name {host!r}: start it with --allow-host "
-                                        f"{host} (or with --api-key) to use that name", status=403,
-                                        code="host_not_allowed"))
+                                        f"{host}{' (or with --api-key)' if self.paths is None else ''} to use that "
+                                        "name", status=403, code="host_not_allowed"))
             return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -7,6 +7,8 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..core.errors import LocalspecError
 from ..core.grammar import GrammarError, compile_spec
 from ..core.request import make_request
@@ -173,15 +175,22 @@ def extras(body: dict, *, chat: bool) -> tuple[dict, dict, bool]:
     return options, names, bool(so and so.get("include_usage"))
 
 
+_CONSTRAINTS = ("json_schema", "grammar", "regex", "json_object")
+
+
 def check_options(options: dict, names: dict, constraint=None) -> None:
     """The engine's own range checks and the constraint's compilation, before the request waits its turn.
-    constraint(grammar), when given, builds the matcher the engine will build (the server's: a schema that
-    llguidance refuses only then, such as one that refers to itself, is a 400 on arrival, not at the head of
-    the queue)."""
+    constraint(fields), when given, compiles the constraint ({"json_schema": ...}) in the engine's place: the
+    server's (server.Constraints) also builds the matcher the engine will build (a schema that llguidance refuses
+    only then, such as one that refers to itself, is a 400 on arrival, not at the head of the queue), and bounds
+    the CPU that compiling takes."""
+    given = {k: options[k] for k in _CONSTRAINTS if options.get(k) not in (None, False)}
     try:
-        spec = make_request(**options).constraint()
-        if spec is not None and constraint is not None:
-            constraint(spec)
+        if constraint is None or not given:
+            make_request(**options)  # compiles the constraint
+        else:
+            make_request(**{k: v for k, v in options.items() if k not in given})
+            constraint(given)
     except LocalspecError as e:
         raise bad_request(e, names, None) from None
 
@@ -198,8 +207,9 @@ def bad_request(e: LocalspecError, names: dict, fallback: str | None) -> ApiErro
 
 
 def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, response_format=None, template=None,
-               token_of=None) -> tuple[dict, dict, list[dict] | None, ToolFormat | None]:
-    """response_format and tools -> (engine options, option -> field, tools for the template, format to parse)."""
+               token_of=None, constraint=None) -> tuple[dict, dict, list[dict] | None, ToolFormat | None]:
+    """response_format and tools -> (engine options, option -> field, tools for the template, format to parse).
+    constraint: as check_options', to compile each tool's parameters."""
     options, names = {}, {}
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -235,7 +245,10 @@ def structured(*, tools=None, tool_choice=None, parallel_tool_calls=None, respon
         raise ApiError(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
     for i, t in enumerate(tools):  # each schema on its own: an error names its tool, not the call grammar
         try:
-            compile_spec(json_schema=_params(t))  # as the call constrains them
+            if constraint is None:
+                compile_spec(json_schema=_params(t))  # as the call constrains them
+            else:  # alone: the call's grammar, which holds them all, is checked whole
+                constraint({"json_schema": _params(t)}, matcher=False)
         except GrammarError as e:
             where = f"tools[{i}].function.parameters"
             raise ApiError(f"{where} ({t['function']['name']}): {str(e).removeprefix('json_schema ')}",
@@ -260,7 +273,7 @@ def parse_chat(body: dict, *, defaults: dict, n_ctx: int, template: str | None, 
     messages = parse_messages(body.get("messages"), n_ctx=n_ctx)
     options, names = parse_options(body, chat=True, defaults=defaults)
     extra, extra_names, tools, fmt = structured(**{k: body.get(k) for k in _STRUCTURED}, template=template,
-                                                token_of=token_of)
+                                                token_of=token_of, constraint=constraint)
     more, more_names, include_usage = extras(body, chat=True)
     options, names = options | extra | more, names | extra_names | more_names
     check_options(options, names, constraint)
@@ -362,6 +375,40 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 _SCALARS = {int, float, bool, type(None)}
 MAX_DEPTH = 64  # JSON nesting: a schema or tool call needs a few levels; Python's own limits are near 1000
+# What parsing a body may build. 8 MiB of '[{},{},...]' (in the ignored `metadata`, say) is 2.8 million objects
+# (json.loads alone: 208 MB), and six such bodies parsed at once held 4.6 GB. Real requests hold thousands: 128
+# tools of 20 parameters, ~6,000 objects and arrays; a conversation of 2,000 messages, a few per message; a prompt
+# of token ids, one value per token. Within these limits a body parses into 80 MB at most (1M short strings:
+# 64 MB; 100,000 objects of 9 strings: 82 MB).
+MAX_JSON_CONTAINERS = 100_000  # objects and arrays
+MAX_JSON_VALUES = 1 << 20  # values of every kind: a prompt of token ids filling a 1M-token context
+
+
+def check_json_size(raw: bytes) -> None:
+    """Refuse a JSON body whose parse would build more than MAX_JSON_CONTAINERS objects and arrays or
+    MAX_JSON_VALUES values, before json.loads builds them: '{', '[' and ',' are counted over the raw bytes, those
+    inside strings left out where it matters (~50 ms for 8 MiB whatever it holds, in 1 MiB blocks; a parse of
+    8 MiB took up to 250 ms and 208 MB)."""
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers <= MAX_JSON_CONTAINERS and containers + raw.count(b",") <= MAX_JSON_VALUES:
+        return  # within the limits even with what strings hold
+    raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")  # escapes, in order: no quote left inside a string
+    containers = commas = quotes = 0
+    for at in range(0, len(raw), 1 << 20):
+        b = np.frombuffer(raw, np.uint8, count=min(1 << 20, len(raw) - at), offset=at)
+        seen = np.cumsum(b == ord('"'), dtype=np.uint8) + np.uint8(quotes)  # mod 256: the parity is what counts
+        outside = (seen & 1) == 0
+        quotes = int(seen[-1]) & 1
+        containers += int(np.count_nonzero(((b == ord("{")) | (b == ord("["))) & outside))
+        commas += int(np.count_nonzero((b == ord(",")) & outside))
+    values = containers + commas  # n items have n - 1 commas
+    if containers > MAX_JSON_CONTAINERS:
+        raise ApiError(f"the request body holds {containers:,} JSON objects and arrays; at most "
+                       f"{MAX_JSON_CONTAINERS:,} are accepted (a real request has tens of thousands at most)",
+                       code="request_too_complex")
+    if values > MAX_JSON_VALUES:
+        raise ApiError(f"the request body holds {values:,} JSON values; at most {MAX_JSON_VALUES:,} are accepted "
+                       "(as many as a prompt of token ids filling a 1M-token context)", code="request_too_complex")
 
 
 def check_text(body) -> None:

@@ -34,11 +34,11 @@ from starlette.routing import Route
 from ..core.engine import Engine
 from ..core.errors import LocalspecError
 from ..core.llama import ContextFullError, DecodeError
-from ..core.grammar import Grammar, GrammarError
-from .request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_text, parse_chat,
-                             parse_completion)
-from .http import (LOOPBACK, MAX_BODY, BodyBudget, Cors, EventStream, HostCheck, ServeError, bind,  # noqa: F401
-                   disconnected, json_400_protocol, read_body, response, sse)
+from ..core.grammar import GrammarError
+from .request import (ApiError, ChatRequest, CompletionRequest, bad_request, check_json_size, check_text,
+                      parse_chat, parse_completion)
+from .http import (LOOPBACK, MAX_BODY, BodyBudget, Constraints, Cors, EventStream, HostCheck, ServeError,  # noqa: F401
+                   bind, disconnected, json_400_protocol, read_body, response, sse)
 from .shapes import Chat, Completion, error
 from .tools import for_template
 
@@ -101,9 +101,7 @@ class Worker:
             if self.closing:
                 raise _shutting_down()
             if len(self.waiting) >= self.queue_size:
-                raise ApiError(f"the server is busy ({self.queue_size} requests waiting); retry shortly",
-                               status=503, type="server_error", code="queue_full",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})
+                raise _queue_full(f"{self.queue_size} requests waiting")
             self.waiting.append(job)
             self.lock.notify()
 
@@ -221,6 +219,11 @@ def _shutting_down() -> ApiError:
     return ApiError("the server is shutting down", status=503, type="server_error", code="shutting_down")
 
 
+def _queue_full(why: str) -> ApiError:
+    return ApiError(f"the server is busy ({why}); retry shortly", status=503, type="server_error", code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 class App:
     """The routes over one engine; `create_app` wraps it in Starlette."""
 
@@ -231,6 +234,7 @@ class App:
         self.worker = Worker(engine, queue_size)
         self.created = int(time.time())
         self.bodies = BodyBudget(MAX_HELD)  # bytes of request bodies arrived and not yet parsed
+        self.constraints = Constraints(engine)
 
     def _authorize(self, request: Request) -> str:
         """The request's scope: which key it holds ('' where the server has none), or 401."""
@@ -255,6 +259,7 @@ class App:
 
     @staticmethod
     def _decode(raw: bytes) -> dict:
+        check_json_size(raw)  # before json.loads builds it: 8 MiB of '[{},...]' is 2.8 million objects
         try:
             body = json.loads(raw, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:  # JSONDecodeError, undecodable bytes, absurd nesting
@@ -269,16 +274,12 @@ class App:
     def _parse_chat(self, raw: bytes):
         llm = self.engine
         return parse_chat(self._decode(raw), defaults=self.defaults, n_ctx=llm.target.n_ctx,
-                          template=llm.target.chat_template(), token_of=llm.single_token, constraint=self._matcher)
+                          template=llm.target.chat_template(), token_of=llm.single_token,
+                          constraint=self.constraints)
 
     def _parse_completion(self, raw: bytes):
         return parse_completion(self._decode(raw), defaults=self.defaults, n_vocab=self.engine.target.n_vocab,
-                                constraint=self._matcher)
-
-    def _matcher(self, spec: str) -> None:
-        """The constraint's matcher, built as the engine will build it, and its first mask: llguidance refuses some
-        grammars only there (a schema that refers to itself), which was a 400 at the head of the queue."""
-        Grammar(self.engine.target, spec).allowed()
+                                constraint=self.constraints)
 
     async def health(self, request: Request) -> Response:
         w = self.worker
@@ -309,6 +310,9 @@ class App:
         scope = self._authorize(request)
         raw = await self._body(request)
         try:
+            w = self.worker
+            if len(w.waiting) >= w.queue_size:  # it would be refused once parsed: spare the parse, and a compile
+                raise _queue_full(f"{w.queue_size} requests waiting")
             return await asyncio.to_thread(parse, raw), scope
         finally:
             self.bodies.give(len(raw))
@@ -403,7 +407,8 @@ def create_app(engine: Engine, *, api_key: str | Sequence[str] | None = None, co
                body_timeout_s: float = 30.0) -> Starlette:
     """The ASGI app: /v1/models, /v1/chat/completions, /v1/completions, /health over one engine.
 
-    hosts: the Host names answered when there is no api_key ('*': any; IP addresses always).
+    hosts: the Host names answered when there is no api_key, and by /health always ('*': any; IP addresses
+    always).
     defaults: generation options for requests that leave them out (over the engine's own).
     """
     app = App(engine, api_key=api_key, queue_size=queue_size, defaults=defaults or {},
@@ -418,8 +423,9 @@ def create_app(engine: Engine, *, api_key: str | Sequence[str] | None = None, co
         yield
         await asyncio.to_thread(app.worker.stop)
 
-    # with a key, a rebound page still cannot authenticate: Host names are then free
-    middleware = [Middleware(HostCheck, hosts=hosts)] if not api_keys(api_key) else []
+    # with a key, a rebound page still cannot authenticate: Host names are then free, except for /health, which
+    # answers without one (a rebound page could watch the server's activity)
+    middleware = [Middleware(HostCheck, hosts=hosts, paths=("/health",) if api_keys(api_key) else None)]
     if cors:
         middleware.append(Middleware(Cors, allow_origins=list(cors), allow_methods=["GET", "POST"],
                                      allow_headers=["*"]))
@@ -451,8 +457,9 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key:
           defaults: dict | None = None, socks: list[socket.socket] | None = None) -> None:
     """Serve until SIGINT/SIGTERM, which end the running and waiting generations with a 'shutting down' error.
 
-    Without an api_key, only requests naming this server in their Host header are answered: loopback names,
-    `host`, IP addresses and `allow_hosts`. socks: from bind(host, port) beforehand (bound here if None).
+    Requests whose Host header names another site are refused: every one without an api_key, those to /health
+    (which needs no key) with one. This server's names: loopback names, `host`, IP addresses and `allow_hosts`.
+    socks: from bind(host, port) beforehand (bound here if None).
     """
     socks = socks or bind(host, port)
     app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size, defaults=defaults,
