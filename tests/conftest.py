@@ -110,6 +110,16 @@ class FakeModel:
         return f"<{t}>".encode()
 
 
+def until(condition, timeout: float = 60, what: str = "the condition") -> None:
+    """Wait for condition() with a deadline (a test that waits on another thread never hangs the run)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.001)
+
+
 def onehot(n_vocab: int, t: int, scale: float = 10.0) -> np.ndarray:
     row = np.zeros(n_vocab, dtype=np.float32)
     row[t] = scale

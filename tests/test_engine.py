@@ -13,6 +13,7 @@ from localspec import RequestError
 from localspec.core import defaults
 from localspec.core.model import ModelError
 
+from conftest import until
 from gguf_edit import kept, pad_vocab, shadowed
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
@@ -429,12 +430,12 @@ def test_close_does_not_wait_out_a_long_prefill(smol_path):
     t = threading.Thread(target=lambda: results.append(llm.generate(prompt, max_tokens=5, temperature=0,
                                                                      drafter="none")))
     t.start()
-    while not llm.target.tokens:  # prefilling: the first chunk is in
-        time.sleep(0.001)
+    until(lambda: llm.target.tokens, what="the first chunk of the prefill")
     t0 = time.perf_counter()
     llm.close()
     waited = time.perf_counter() - t0
-    t.join()
+    t.join(60)
+    assert not t.is_alive()
     assert results[0].finish_reason == "cancelled" and results[0].stats.generated == 0
     assert waited < 5, waited  # a chunk or two (128 tokens each), not the 6,000-token prefill
 
@@ -636,16 +637,31 @@ def test_close_while_a_round_waits_for_the_lock_cancels_it(smol_path):
         except Exception as e:  # noqa: BLE001 - what the old code raised
             errors.append(e)
 
+    class Asked:
+        """The engine's lock, saying when the generating thread asks for it."""
+
+        def __init__(self, lock):
+            self.lock, self.asked = lock, threading.Event()
+
+        def __enter__(self):
+            self.asked.set()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    real = llm._lock
+    llm._lock = lock = Asked(real)
     t = threading.Thread(target=generate)
-    with llm._lock:  # another stream's round, say
+    with real:  # another stream's round, say
         t.start()
-        time.sleep(0.2)  # the generating thread waits for its prefill's lock
+        assert lock.asked.wait(60)  # the generating thread waits for its prefill's lock
         closer = threading.Thread(target=llm.close)
         closer.start()
-        while not llm._closing.is_set():
-            time.sleep(0.001)
+        assert llm._closing.wait(60)
     t.join(60)
     closer.join(60)
+    assert not t.is_alive() and not closer.is_alive()
     assert errors == [] and results[0].finish_reason == "cancelled"
 
     llm = localspec.load(target=smol_path, n_ctx=512)
@@ -702,10 +718,10 @@ def test_close_stops_a_first_calibration_and_keeps_nothing(smol_path, tmp_path, 
 
     t = threading.Thread(target=first_request)
     t.start()
-    while not llm.target.tokens:  # measuring
-        time.sleep(0.001)
+    until(lambda: llm.target.tokens, what="the measuring")
     llm.close()
-    t.join()
+    t.join(60)
+    assert not t.is_alive()
     assert len(errors) == 1 and "closed while measuring its costs" in str(errors[0])
     assert not list((tmp_path / "calibration").glob("*.json"))
 

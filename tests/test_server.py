@@ -24,6 +24,8 @@ from click.testing import CliRunner
 from localspec.apps.cli import cli
 from localspec.api.server import create_app
 
+from conftest import until
+
 KEY = "sk-local-test"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -365,8 +367,7 @@ def test_a_client_that_leaves_while_queued_gives_up_its_place(small_server, smol
         time.sleep(0.05)
     with ThreadPoolExecutor(1) as pool:  # the one place is free again: the next request waits, no 503
         waiting = pool.submit(client.chat.completions.create, model=MODEL, messages=MESSAGES, max_tokens=8)
-        while small_server.health()["queued"] < 1 and not waiting.done():
-            time.sleep(0.05)
+        until(lambda: small_server.health()["queued"] >= 1 or waiting.done(), 30, "the next request's wait")
         running.close()
         assert waiting.result(timeout=60).choices[0].message.content == chat_answer(smol_engine, MESSAGES, 8)
 
@@ -416,9 +417,7 @@ def test_sigterm_during_a_long_prefill_exits_promptly(smol_path, tmp_path):
     s = long_prefill_server(smol_path, tmp_path)
     body = {"prompt": LONG_PROMPT, "max_tokens": 1}
     threading.Thread(target=lambda: httpx.post(s.url + COMPLETIONS, json=body, timeout=60), daemon=True).start()
-    while not s.health()["busy"]:
-        time.sleep(0.05)
-    time.sleep(1)
+    until(lambda: s.health()["busy"], 60, "the prefill")
     t0 = time.monotonic()
     rc = s.stop()
     assert time.monotonic() - t0 < 10 and rc in (0, -signal.SIGTERM), s.output()
@@ -715,8 +714,7 @@ class Live:
 
     def __enter__(self):
         self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        until(lambda: self.server.started, 30, "uvicorn's start")
         return self
 
     def __exit__(self, *exc):
