@@ -298,6 +298,19 @@ def _read_verify_log() -> dict:
         return {}
 
 
+def known_sha256(path: Path) -> str | None:
+    """The sha256 this registry verified path's bytes to have, where it did and the file has not changed since
+    (same size, mtime and inode); None otherwise. Never hashes."""
+    try:
+        key, stamp = _stamp(Path(path))
+    except OSError:
+        return None
+    seen = _read_verify_log().get(key)
+    if isinstance(seen, dict) and seen.get("stamp") == stamp and isinstance(seen.get("sha256"), str):
+        return seen["sha256"]
+    return None
+
+
 def _write_json(path: Path, obj) -> None:
     """Replace path with obj as JSON, atomically: a reader sees the old record or the new one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
