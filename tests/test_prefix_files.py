@@ -1,4 +1,4 @@
-"""The prompt cache's disk tier (store.prefix.KvFiles): tier 1, random states, no model."""
+"""The prompt cache's disk tier (store.prefix.KvFiles) and `localspec cache`: tier 1, random states, no model."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from localspec.core.llama import ModelConfig
-from localspec.store import prefix
+from localspec.store import prefix, prefix_listing
 from localspec.store.prefix import HEADER, KvFiles
 
 FP = "0123456789abcdef0123456789abcdef"
@@ -418,3 +419,37 @@ def test_fingerprint_of_a_real_model_file(smol_path, tmp_path, monkeypatch):
     assert prefix.fingerprint(fake_model(smol_path, n_ctx=1024))[0] == name
     assert meta["model"] == smol_path.name and meta["file"]["size"] == smol_path.stat().st_size
     assert meta["build"]["state_seq_version"] >= 1
+
+
+def test_cache_command_lists_and_clears(tmp_path, monkeypatch):
+    from localspec.apps.cli import cli
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("LOCALSPEC_HOME", str(home))
+    path = tmp_path / "smol.gguf"
+    path.write_bytes(b"GGUF" + os.urandom(1000))
+    for m in (fake_model(path, n_ctx=2048), fake_model(path, exact=True)):
+        fp, meta = prefix.fingerprint(m)
+        kv = KvFiles(prefix.default_root(), fp, prefix.CAP_BYTES, meta)
+        for i in range(2 if m.cfg.exact else 1):
+            kv.write("", f"n{i}", *state(i, n_tokens=300 + i))
+        kv.close()
+    rows = sorted(prefix_listing.summary(home / "kv"), key=lambda r: r["files"])
+    assert [(r["model"], r["files"], r["tokens"], r["scopes"]) for r in rows] == [("smol.gguf", 1, 300, 1),
+                                                                                ("smol.gguf", 2, 601, 1)]
+    assert sum(r["bytes"] for r in rows) == disk_bytes(home / "kv") == prefix_listing.total_bytes(home / "kv")
+    runner = CliRunner()
+    out = runner.invoke(cli, ["cache"], catch_exceptions=False).output
+    lines = out.splitlines()
+    assert lines[0].split() == ["model", "settings", "states", "tokens", "MB", "last", "used"]
+    assert any("n_ctx 2048" in s and " 1 " in s and " 300 " in s for s in lines)
+    assert any("exact" in s and " 2 " in s and " 601 " in s for s in lines)
+    assert str(home / "kv") in out and "capped at 4096 MB" in out
+    assert "$LOCALSPEC_HOME/kv" in runner.invoke(cli, ["cache", "--help"]).output
+    out = runner.invoke(cli, ["cache", "--clear", "--model", "other.gguf"], catch_exceptions=False).output
+    assert "no prompt states kept" in out and len(files(home)) == 3
+    before = disk_bytes(home / "kv")
+    out = runner.invoke(cli, ["cache", "--clear", "--model", str(path)], catch_exceptions=False).output
+    assert f"removed {before / 2 ** 20:.1f} MB" in out
+    assert files(home) == [] and not any((home / "kv").iterdir())
+    assert "no prompt states kept" in runner.invoke(cli, ["cache"], catch_exceptions=False).output

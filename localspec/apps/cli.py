@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -277,6 +278,42 @@ def calibrate(force, **kw):
                    f"llama.cpp's extra weight layouts (AMX, CPU repacking) {'on' if llm.target.extra_bufts else 'off'}")
         click.echo(costs.table())
         click.echo(f"llama.cpp: {system_info()}")
+
+
+@cli.command()
+@click.option("--clear", "clear_", is_flag=True, help="Remove the kept prompt states (all, or --model's).")
+@click.option("--model", metavar="NAME_OR_FILE",
+              help="Only this model's states: a models.toml name, or the model file's name or path.")
+def cache(clear_, model):
+    """Show (or --clear) the prompt cache: KV states of prompt prefixes, kept so a prompt that repeats starts at once.
+
+    When a request ends, the model's KV state for its prompt (and output) is kept; a later prompt starting
+    with the same tokens restores it instead of prefilling them, and prefills only the rest. States are kept
+    in RAM per process and on disk under $LOCALSPEC_HOME/kv, shared by every localspec process, each tier
+    capped (least recently used out first). A state is never used wrongly: it is kept per model file and
+    settings (KV types, context, flash attention, offload, llama.cpp build and state format) and per API key,
+    its tokens are compared with the prompt's and its bytes verified before use; anything else is skipped.
+    """
+    from ..store import prefix, prefix_listing as kept
+
+    root = prefix.default_root()
+    rows = [r for r in kept.summary(root) if not model or kept.names_model(root / r["folder"], model)]
+    if not rows:
+        click.echo(f"no prompt states kept in {root}" + (f" for {model}" if model else ""))
+        return
+    if clear_:
+        freed = kept.clear(root, model)
+        click.echo(f"removed {freed / 2 ** 20:.1f} MB of prompt states from {root}" + (f" ({model})" if model else ""))
+        return
+    table = [("model", "settings", "states", "tokens", "MB", "last used")] + [
+        (r["model"], r["settings"], str(r["files"]), f"{r['tokens']:,}", f"{r['bytes'] / 2 ** 20:.1f}",
+         time.strftime("%Y-%m-%d %H:%M", time.localtime(r["last_used"])) if r["last_used"] else "-") for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    click.echo(f"\n{kept.total_bytes(root) / 2 ** 20:.1f} MB in {root}, capped at "
+               f"{prefix.CAP_BYTES / 2 ** 20:.0f} MB (least recently used out first). `localspec cache --clear` "
+               "removes them.")
 
 
 # ---- registry commands (pull, models, check) ----

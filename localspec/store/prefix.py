@@ -15,6 +15,7 @@ removed, and its prompt prefilled.
 
 The whole ROOT, every model's folder, is kept under one cap, least recently used out first (a file's mtime is
 its last use, touched on each: the order holds across processes), counted in the files' real sizes.
+store.prefix_listing reads and clears it for `localspec cache`.
 """
 from __future__ import annotations
 
