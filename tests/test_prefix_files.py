@@ -310,6 +310,7 @@ def test_a_state_forgotten_while_it_is_being_written_never_appears(tmp_path, mon
     kv.write("", "aa", *state(1))
     assert started.wait(30)
     kv.forget("", "aa")
+    assert kv.stored("") == [] and kv.read("", "aa") is None  # forgotten at once, though its write is under way
     go.set()
     assert kv.flush()
     assert files(tmp_path) == [] and not files(tmp_path, ".*.tmp") and kv.stored("") == []
@@ -343,6 +344,23 @@ def test_a_long_queue_drops_its_oldest_writes(tmp_path):
             big.write("", f"n{i}", *state(i, n_tokens=10, n_bytes=3000))  # more than half the cap pending
         assert [w.name for w in big._pending] == ["n2"] and big.dropped == 2
     big.close()
+
+
+def test_a_state_waiting_for_the_writer_is_listed_and_read_from_memory(tmp_path):
+    kv = kept(tmp_path / "kv")
+    kv.write("", "aa", *state(1))
+    assert kv.flush()
+    tokens, blob = state(2)
+    with kv._lock:  # the writer thread waits
+        kv.write("", "bb", tokens, blob)
+        assert sorted(n for n, _ in kv.stored("")) == ["aa", "bb"] and not files(tmp_path, "bb.kv")
+        assert kv.read("", "bb") is blob
+        kv.forget("", "bb")
+        assert [n for n, _ in kv.stored("")] == ["aa"] and kv.read("", "bb") is None
+        kv.write("", "bb", tokens, blob)
+    assert kv.flush()
+    assert sorted(n for n, _ in kv.stored("")) == ["aa", "bb"] and kv.read("", "bb") == blob
+    kv.close()
 
 
 def test_forget_removes_the_file_and_a_write_still_waiting(tmp_path):

@@ -102,7 +102,7 @@ class KvFiles:
         self._listings: dict[str, _Listing] = {}
         self._pending: deque[_Write] = deque()
         self._pending_bytes = 0
-        self._writing: tuple[str, str] | None = None
+        self._in_flight: _Write | None = None  # the write under way
         self._cancelled: set[tuple[str, str]] = set()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -161,48 +161,65 @@ class KvFiles:
         return np.frombuffer(raw, dtype="<i4").astype(np.int32), length, crc_b
 
     def stored(self, scope: str) -> list[tuple[str, np.ndarray]]:
-        """(name, tokens) of every state of `scope` on disk. One stat when the folder has not changed since it was
-        last listed; when it has, only files not seen before are opened (their header and tokens)."""
-        folder = self.folder / scope_folder(scope)
+        """(name, tokens) of every state of `scope` on disk or on its way there (queued: read() returns it from
+        memory meanwhile). One stat when the folder has not changed since it was last listed; when it has, only
+        files not seen before are opened (their header and tokens)."""
         with self._lock:
-            seen = self._listings.setdefault(scope, _Listing())
-            try:
-                mtime = os.stat(folder).st_mtime_ns
-            except OSError:
-                seen.mtime_ns, seen.settled, seen.files, seen.out = None, False, {}, []
-                return []
-            if mtime == seen.mtime_ns and seen.settled:
-                return seen.out
-            now = time.time_ns()
-            files: dict[str, tuple[int, np.ndarray]] = {}
-            try:
-                entries = list(os.scandir(folder))
-            except OSError as e:
-                self._say(f"cannot list the kept prompt states in {folder} ({e.strerror or e})")
-                return []
-            for entry in entries:
-                name = entry.name[:-len(SUFFIX)]
-                if not entry.name.endswith(SUFFIX) or not _NAME.fullmatch(name):
-                    continue
-                known = seen.files.get(name)
-                if known is not None and known[0] == entry.inode():
-                    files[name] = known
-                    continue
-                try:
-                    with open(entry.path, "rb") as f:
-                        got = self._read_tokens(f, Path(entry.path))
-                except OSError:  # gone meanwhile (another process evicted it)
-                    continue
-                if got is not None:
-                    files[name] = (entry.inode(), got[0])
-            seen.mtime_ns, seen.settled, seen.files = mtime, now - mtime > SETTLED_NS, files
-            seen.out = [(n, t) for n, (_, t) in files.items()]
+            listed = self._listed(scope)
+            queued = [(w.name, w.tokens) for w in self._queued(scope) if w.name not in self._listings[scope].files]
+            return listed + queued if queued else listed
+
+    def _queued(self, scope: str, name: str | None = None) -> list[_Write]:
+        """The writes of scope (of name) waiting or under way, but a forgotten one. With the lock held."""
+        return [w for w in (*self._pending, self._in_flight) if w is not None and w.scope == scope
+                and (name is None or w.name == name) and (w.scope, w.name) not in self._cancelled]
+
+    def _listed(self, scope: str) -> list[tuple[str, np.ndarray]]:
+        """The scope folder's states, listed again only where it changed. With the lock held."""
+        folder = self.folder / scope_folder(scope)
+        seen = self._listings.setdefault(scope, _Listing())
+        try:
+            mtime = os.stat(folder).st_mtime_ns
+        except OSError:
+            seen.mtime_ns, seen.settled, seen.files, seen.out = None, False, {}, []
+            return []
+        if mtime == seen.mtime_ns and seen.settled:
             return seen.out
+        now = time.time_ns()
+        files: dict[str, tuple[int, np.ndarray]] = {}
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as e:
+            self._say(f"cannot list the kept prompt states in {folder} ({e.strerror or e})")
+            return []
+        for entry in entries:
+            name = entry.name[:-len(SUFFIX)]
+            if not entry.name.endswith(SUFFIX) or not _NAME.fullmatch(name):
+                continue
+            known = seen.files.get(name)
+            if known is not None and known[0] == entry.inode():
+                files[name] = known
+                continue
+            try:
+                with open(entry.path, "rb") as f:
+                    got = self._read_tokens(f, Path(entry.path))
+            except OSError:  # gone meanwhile (another process evicted it)
+                continue
+            if got is not None:
+                files[name] = (entry.inode(), got[0])
+        seen.mtime_ns, seen.settled, seen.files = mtime, now - mtime > SETTLED_NS, files
+        seen.out = [(n, t) for n, (_, t) in files.items()]
+        return seen.out
 
     def read(self, scope: str, name: str) -> bytearray | None:
         """The state's bytes, every check passed, or None: gone (another process evicted it) silently; damaged,
-        said once and removed. A use: the file's mtime is set to now (least recently used goes first)."""
+        said once and removed. A use: the file's mtime is set to now (least recently used goes first). A state
+        still waiting for the writer is returned from memory (the bytes write() was given)."""
         path = self._path(scope, name)
+        with self._lock:
+            queued = self._queued(scope, name)
+        if queued:
+            return queued[-1].blob
         try:
             with open(path, "rb", buffering=0) as f:
                 got = self._read_tokens(f, path)
@@ -278,7 +295,7 @@ class KvFiles:
                     return
                 w = self._pending.popleft()
                 self._pending_bytes -= len(w.blob)
-                self._writing = (w.scope, w.name)
+                self._in_flight = w
             try:
                 self._write_file(w)
                 self._fit()
@@ -287,7 +304,7 @@ class KvFiles:
                           "prompt states are kept in memory only until it can", key="write failed")
             finally:
                 with self._lock:
-                    self._writing = None
+                    self._in_flight = None
                     self._cancelled.discard((w.scope, w.name))
                     self._lock.notify_all()
 
@@ -350,7 +367,7 @@ class KvFiles:
         path = self._path(scope, name)
         with self._lock:
             self._drop_pending(scope, name)
-            if self._writing == (scope, name):
+            if self._in_flight is not None and (self._in_flight.scope, self._in_flight.name) == (scope, name):
                 self._cancelled.add((scope, name))
             listing = self._listings.get(scope)
             if listing is not None and listing.files.pop(name, None) is not None:
@@ -361,7 +378,7 @@ class KvFiles:
     def flush(self, timeout: float = 30) -> bool:
         """Wait until the writes queued so far are on disk (or dropped); whether they are, within timeout."""
         with self._lock:
-            return self._lock.wait_for(lambda: not self._pending and self._writing is None, timeout)
+            return self._lock.wait_for(lambda: not self._pending and self._in_flight is None, timeout)
 
     def close(self, timeout: float = 30) -> None:
         """Finish the writes waiting (up to timeout seconds); later writes are ignored."""
