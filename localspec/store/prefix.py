@@ -345,7 +345,7 @@ class KvFiles:
                 with contextlib.suppress(OSError):
                     listing = self._listings.get(w.scope)
                     if listing is not None:  # known: the next listing need not open it again
-                        listing.files[w.name] = (os.stat(path).st_ino, w.tokens.astype(np.int32))
+                        listing.files[w.name] = (os.stat(path).st_ino, w.tokens.astype(np.int32, copy=False))
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
