@@ -16,7 +16,8 @@ from typing import Mapping
 from typing import TYPE_CHECKING
 
 from .core.errors import LocalspecError
-from .core.model import Check, ContextFullError, Model, ModelConfig, ModelError, compare_vocab, set_verbose
+from .core.compat import Check, compare_vocab
+from .core.model import ContextFullError, Model, ModelConfig, ModelError, set_verbose
 from .core.request import RequestError
 from .core.stream import Event, Result, Stats, Stream
 
@@ -49,7 +50,8 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
          flash_attn_draft: str | None = None, type_k_draft: str | None = None, type_v_draft: str | None = None,
          exact: bool = False, target_kwargs: Mapping[str, object] | None = None,
          draft_kwargs: Mapping[str, object] | None = None, memory_check: bool = True, allow_mirror: bool = True,
-         history_mb: float = 0, history_file: bool = True, parallel: int | str = 1, verbose: bool = False) -> Engine:
+         history_mb: float = 0, history_file: bool = True, prompt_cache_mb: float | None = None,
+         prompt_cache_disk_mb: float | None = None, parallel: int | str = 1, verbose: bool = False) -> Engine:
     """Load a target model and, optionally, a draft model that shares its tokenizer.
 
     Models by path (target=, draft=) or by name: pair="NAME" from models.toml, or nothing at all for the
@@ -79,6 +81,12 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     requests. A request opts out with history=False. It is kept in $LOCALSPEC_HOME/history (read when first
     used, written as it grows and when the engine closes; safe with several processes) unless history_file is
     False.
+    prompt_cache_mb, prompt_cache_disk_mb: keep the KV states of prompts (up to this many MB in memory, and on
+    disk in $LOCALSPEC_HOME/kv, shared by processes and kept across runs), so that a prompt starting like a kept
+    one (a system prompt, tools, a document, a conversation) restores those tokens instead of prefilling them
+    (on a CPU ~10 ms a token). Defaults: 1024 MB or a tenth of the free memory, whichever is less, and 4096 MB
+    or a quarter of the free disk; 0 turns a tier off. A state is used only with the model file and every
+    setting that shapes its bytes, and its tokens compared first; a request opts out with prompt_cache=False.
     parallel: requests decoded together (1-64, or 'auto'): each gets a KV cache sequence of n_ctx positions
     (memory for parallel x n_ctx), and the streams open at once share each llama_decode (of the target, and of
     the draft model), so a wide verify's cost is shared rather than paid by one; the N+1th stream waits for a
@@ -119,7 +127,8 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
             kw = {k: kw[k] for k in ("target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "flash_attn", "type_k",
                                      "type_v", "n_ctx_draft", "n_threads_draft", "n_gpu_layers_draft",
                                      "flash_attn_draft", "type_k_draft", "type_v_draft", "target_kwargs",
-                                     "draft_kwargs", "memory_check", "history_mb", "history_file", "verbose")}
+                                     "draft_kwargs", "memory_check", "history_mb", "history_file", "prompt_cache_mb",
+                                     "prompt_cache_disk_mb", "verbose")}
             one = load(**kw, parallel=1)
             try:
                 parallel = parallel_for(one.calibration())
@@ -197,8 +206,15 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
         from .store.history import HistoryFiles, folder
 
         keeper = HistoryFiles(folder(registry.home(), t.path), int(history_mb * 2 ** 20), t.n_vocab)
+    try:
+        cache = _prompt_cache(t, d, prompt_cache_mb, prompt_cache_disk_mb)
+    except BaseException:
+        t.close()
+        if d is not None:
+            d.close()
+        raise
     engine = Engine(t, d, name=name, defaults=defaults, costs=costs_keeper(registry.home() / "calibration"),
-                    history_mb=history_mb, history_keeper=keeper)
+                    history_mb=history_mb, history_keeper=keeper, prompt_cache=cache)
     if parallel > 1:  # measured now, before any request: measuring decodes in the slots' own sequences
         try:
             engine.calibration()
@@ -206,3 +222,34 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
             engine.close()
             raise
     return engine
+
+
+def _prompt_cache(target: Model, draft: Model | None, ram_mb: float | None, disk_mb: float | None):
+    """The engine's prompt cache (core.prefix.PrefixCache), both models attached, or None when both tiers are off."""
+    from .core.prefix import PrefixCache
+    from .store import memory, registry
+
+    for name, v in (("prompt_cache_mb", ram_mb), ("prompt_cache_disk_mb", disk_mb)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 2 ** 40):
+            raise ModelError(f"{name} must be a number of MB >= 0 (0 turns it off), got {v!r}")
+    if ram_mb is None:
+        free = memory.available_memory()
+        ram_mb = 1024 if free is None else min(1024, free / 10 / 2 ** 20)
+    root = registry.home() / "kv"  # (store.prefix.default_root())
+    if disk_mb is None:
+        from .store.prefix import default_disk_mb
+
+        disk_mb = default_disk_mb(root)
+    if not ram_mb and not disk_mb:
+        return None
+    cache = PrefixCache(int(ram_mb * 2 ** 20))
+    for m in (target, draft):
+        if m is not None:
+            keeper = None
+            if disk_mb:
+                from .store.prefix import KvFiles, fingerprint
+
+                folder, meta = fingerprint(m)
+                keeper = KvFiles(root, folder, int(disk_mb * 2 ** 20), meta)
+            cache.attach(m, keeper)
+    return cache

@@ -69,6 +69,7 @@ class FakeModel:
         self.tokens: list[int] = []
         self.decodes: list[list[int]] = []
         self.version, self.n_batch = 0, 512
+        self.last_restore = (0, "")  # nothing kept: a fake has no prompt cache
 
     def check_open(self) -> None:  # as Model's: a fake is never closed
         pass

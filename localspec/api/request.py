@@ -31,7 +31,8 @@ _OPTIONS = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_to
             "stop": ("stop", "stop"), "top_k": ("top_k", int), "min_p": ("min_p", float),
             "repeat_penalty": ("repeat_penalty", float)}
 # under the request's "localspec" key
-_SPECULATION = {"drafter": str, "k": int, "accept": str, "p_min": float, "threshold": float, "history": bool}
+_SPECULATION = {"drafter": str, "k": int, "accept": str, "p_min": float, "threshold": float, "history": bool,
+                "prompt_cache": bool}
 # sent by OpenAI clients and changing nothing here
 _IGNORED = {"model", "stream", "user", "store", "metadata", "service_tier", "localspec", "safety_identifier",
             "prompt_cache_key", "prompt_cache_retention", "verbosity"}

@@ -372,7 +372,8 @@ def check(target, draft, target_opt, draft_opt, pair, no_mirror):
     cached). Exit code 0 when compatible, 1 when not.
     """
     from ..store import download, registry
-    from ..core.model import Model, compare_vocab
+    from ..core.compat import compare_vocab
+    from ..core.model import Model
 
     if (target and target_opt) or (draft and draft_opt):
         raise click.UsageError("give the models either as TARGET DRAFT or as --target/--draft, not both")

@@ -49,6 +49,16 @@ def model_options(f):
                           "$LOCALSPEC_HOME/history across runs."),
         click.option("--no-history-file", "history_file", flag_value=False, default=True,
                      help="Keep the --history-mb store in memory only, not in $LOCALSPEC_HOME/history."),
+        click.option("--prompt-cache-mb", type=click.FloatRange(min=0), default=None,
+                     help="Keep up to this many MB of prompts' KV states in memory, so a prompt that starts like a "
+                          "kept one (a system prompt, tools, a document, a conversation) restores those tokens "
+                          "instead of prefilling them (default: 1024, or a tenth of the free memory if less; 0 = "
+                          "off). `localspec cache` shows what is kept."),
+        click.option("--prompt-cache-disk-mb", type=click.FloatRange(min=0), default=None,
+                     help="The same on disk, in $LOCALSPEC_HOME/kv: kept across runs and shared by processes "
+                          "(default: 4096, or a quarter of the free disk if less; 0 = off)."),
+        click.option("--no-prompt-cache", "prompt_cache", flag_value=False, default=True,
+                     help="Keep no prompt states (in memory or on disk)."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log output and the memory estimate."),
     ]
     for o in reversed(opts):
@@ -165,7 +175,7 @@ def read_constraint(kw: dict) -> None:
 _LOAD_KEYS = ("pair", "target", "draft", "n_ctx", "n_threads", "n_gpu_layers", "flash_attn", "type_k", "type_v",
               "n_ctx_draft", "n_threads_draft", "n_gpu_layers_draft", "flash_attn_draft", "type_k_draft",
               "type_v_draft", "target_kwargs", "draft_kwargs", "exact", "memory_check", "allow_mirror", "history_mb",
-              "history_file", "verbose")
+              "history_file", "prompt_cache_mb", "prompt_cache_disk_mb", "verbose")
 
 
 def _kwarg_value(text: str):
@@ -197,6 +207,8 @@ def parse_kwargs(items) -> dict:
 def split_options(kw: dict) -> tuple[dict, dict]:
     """(load() keywords, generate() keywords) from a command's parsed flags."""
     load_kw = {k: kw.pop(k) for k in _LOAD_KEYS if k in kw}
+    if not kw.pop("prompt_cache", True):
+        load_kw["prompt_cache_mb"] = load_kw["prompt_cache_disk_mb"] = 0
     for key in ("target_kwargs", "draft_kwargs"):
         load_kw[key] = parse_kwargs(load_kw.get(key))
     kw["stop"] = list(kw.get("stop") or ())

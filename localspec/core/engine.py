@@ -18,6 +18,7 @@ from .grammar import Grammar, Unconstrained
 from .history import History
 from .loop import Finish, Token, speculate
 from .model import Cancelled, Model, ModelError
+from .prefix import PrefixCache
 from .request import Request, RequestError, make_request
 from .stream import Result, Stream
 
@@ -43,13 +44,16 @@ class Engine:
 
     def __init__(self, target: Model, draft: Model | None = None, *, name: str | None = None,
                  defaults: dict | None = None, costs: Callable[..., Costs] | None = None, history_mb: float = 0,
-                 history_keeper=None):
+                 history_keeper=None, prompt_cache: PrefixCache | None = None):
         """costs(target, draft, force=, stop=) gives this machine's speculation costs: localspec.load passes one
         that keeps them under $LOCALSPEC_HOME (store.calibration); without it they are measured on first use.
         history_mb > 0 keeps what requests generate (up to that many MB per scope) for auto to draft from;
-        history_keeper makes it outlive the engine (store.history.HistoryFiles: localspec.load passes one)."""
+        history_keeper makes it outlive the engine (store.history.HistoryFiles: localspec.load passes one).
+        prompt_cache keeps the KV states of prompts (prefix.PrefixCache, its models attached): a prompt that
+        starts like a kept one restores those cells instead of prefilling them."""
         self.target, self.draft = target, draft
         self.history = History(history_mb, keeper=history_keeper) if history_mb > 0 else None
+        self.prompt_cache = prompt_cache
         self.name = name or target.path.stem
         self.defaults = dict(defaults or {})  # a pair's recommended drafter, k, p_min
         self._measure = costs or (lambda target, draft, force=False, stop=None:
@@ -253,7 +257,8 @@ class Engine:
         output: json_schema (a dict or JSON text), grammar (Lark or llama.cpp GBNF), regex, json_object=True;
         prediction (text or token ids the output is expected to resemble: drafted from, never trusted);
         logprobs=N (0..20: each Event's logprob and top_logprobs); history=False (where the engine keeps a
-        history, history_mb: neither draft from it nor add this output to it).
+        history, history_mb: neither draft from it nor add this output to it); prompt_cache=False (where the
+        engine keeps prompt states: neither restore this prompt from one nor keep its own).
         cancel: a callable checked between prefill chunks and rounds; when it returns True the stream ends
         with finish_reason 'cancelled'.
         trace: a callable given one dict per round (trace_row): what was drafted and accepted, how long it took,
@@ -284,6 +289,7 @@ class Engine:
                          f"(n_batch={self.target.n_batch})")
             k = self.target.n_batch - 1
         uses_draft = name in ("model", "hybrid", "auto")
+        cache = self.prompt_cache if req.prompt_cache else None
 
         def run(target, draft, drafter=drafter, lock=self._lock):
             return speculate(target, draft if uses_draft else None, drafter, tokens, max_tokens=req.max_tokens, k=k,
@@ -292,16 +298,16 @@ class Engine:
                              grammar=grammar or Unconstrained(), top_logprobs=req.logprobs)
 
         if self._batcher is None:
-            facts = self._scoped(run(self.target, self.draft), scope)
+            facts = self._scoped(run(self.target, self.draft), scope, cache)
         else:  # in a slot, once the stream starts; its drafter is made again for the slot's sequences
             facts = self._in_slot(tokens, cancel, lambda t, d: run(
-                t, d, self._drafter(req, seed, tokens, [], grammar, scope, t, d)[1], self._batcher), scope)
+                t, d, self._drafter(req, seed, tokens, [], grammar, scope, t, d)[1], self._batcher), scope, cache)
         if self.history is not None and req.history:
             facts = _recorded(facts, self.history, scope, tokens)
         return Stream(facts, self.target.piece, stop=req.stop, drafter=name, rule=req.accept, k=k,
                       prompt_tokens=len(tokens), seed=seed, notes=notes, trace=trace, halt=halt, stopped=stopped)
 
-    def _in_slot(self, prompt: list[int], cancel, run, scope: str = ""):
+    def _in_slot(self, prompt: list[int], cancel, run, scope: str = "", cache: PrefixCache | None = None):
         """run(target sequence, draft sequence)'s facts, in a free slot (of the slots last used by the same
         scope, the one caching most of the prompt), given back when the stream ends. A slot another scope used
         is emptied first, and a sequence borrows cells only from its own scope's (Seq._borrow): one API key's
@@ -328,30 +334,52 @@ class Engine:
             yield Finish("cancelled")
             return
         try:
-            self._claim(slot, scope)
-            with self._batcher.holding(slot):
-                yield from run(self.target.seqs[slot], self.draft.seqs[slot] if self.draft is not None else None)
+            self._claim(slot, scope, cache)
+            try:
+                with self._batcher.holding(slot):
+                    yield from run(self.target.seqs[slot], self.draft.seqs[slot] if self.draft is not None else None)
+            finally:
+                self._keep(slot, cache)
         finally:
             with self._slots:
                 del self._held[slot]
                 self._free.append(slot)
                 self._slots.notify()
 
-    def _scoped(self, facts, scope: str):
+    def _scoped(self, facts, scope: str, cache: PrefixCache | None = None):
         """facts, in the one sequence all streams take turns in (parallel 1), claimed for scope first."""
         with self._lock:
-            self._claim(0, scope)
-        yield from facts
+            self._claim(0, scope, cache)
+        try:
+            yield from facts
+        finally:
+            with self._lock:
+                self._keep(0, cache)
 
-    def _claim(self, slot: int, scope: str) -> None:
+    def _claim(self, slot: int, scope: str, cache: PrefixCache | None = None) -> None:
         """Empty a sequence's cache (both models') that another scope used last: one scope's prompts never make
         another's prefill shorter (streams of two scopes interleaved in one sequence still reuse each other's
-        common head while both run; the server runs one at a time there)."""
-        if self.target.seqs[slot].scope != scope:
-            for m in (self.target, self.draft):
-                if m is not None:
-                    m.seqs[slot].truncate(0)
-                    m.seqs[slot].scope = scope
+        common head while both run; the server runs one at a time there). The request's prompt cache (None: it
+        asked for none) is what its sequences restore from."""
+        for m in (self.target, self.draft):
+            if m is not None:
+                seq = m.seqs[slot]
+                if seq.scope != scope:
+                    seq.truncate(0)
+                    seq.scope = scope
+                seq.prompt_cache = cache
+
+    def _keep(self, slot: int, cache: PrefixCache | None) -> None:
+        """Keep what a request's sequences hold (its prompt and output) in the prompt cache, as it ends (a cache
+        is a speed-up: never a reason for a request to fail)."""
+        if cache is None or self._closing.is_set():
+            return
+        for m in (self.target, self.draft):
+            if m is not None:
+                try:
+                    cache.keep(m.seqs[slot])
+                except Exception as e:  # noqa: BLE001
+                    print(f"localspec: the prompt's state was not kept ({e})", file=sys.stderr)
 
     def generate(self, prompt: str | Sequence[int], **options) -> Result:
         """Generate to the end and return the text, tokens, from_draft flags, finish_reason and stats."""
@@ -376,6 +404,8 @@ class Engine:
         finally:
             if self.history is not None:  # after the round in progress: its output is recorded by then
                 self.history.save()
+            if self.prompt_cache is not None:  # its writes to disk, finished
+                self.prompt_cache.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -27,11 +27,13 @@ from .sampling import SamplingParams, dist, penalize, position_rng
 # ---- facts the loop yields ----
 @dataclass(frozen=True, slots=True)
 class Prefill:
-    reused: int
+    reused: int  # prompt tokens the target's cache held already (its own, a neighbour's, or a kept state's)
     prefilled: int
     draft_reused: int
     draft_prefilled: int
     seconds: float
+    restored: int = 0  # of the reused: from a kept state (the prefix store), and from which tier ('ram', 'disk')
+    restored_from: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +71,11 @@ def prefill(target: Model, draft: Model | None, prompt: Sequence[int], cancel) -
     """
     t = time.perf_counter()
     reused, _ = target.sync(prompt[:-1], cancel=cancel)
+    restored = target.last_restore
     d_reused = draft.sync(prompt[:-1], cancel=cancel)[0] if draft is not None else 0
     n = len(prompt) - 1
-    return Prefill(reused, n - reused, d_reused, (n - d_reused) if draft else 0, time.perf_counter() - t)
+    return Prefill(reused, n - reused, d_reused, (n - d_reused) if draft else 0, time.perf_counter() - t,
+                   *restored)
 
 
 def verify(target: Model, pending: int, draft: Draft) -> np.ndarray:

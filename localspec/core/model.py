@@ -15,8 +15,6 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import llama_cpp as L
@@ -238,6 +236,10 @@ class Model:
     def pos_max(self) -> int:
         return self.seqs[0].pos_max()
 
+    @property
+    def last_restore(self) -> tuple[int, str]:
+        return self.seqs[0].last_restore
+
     def _run_jobs(self, jobs) -> None:
         """One llama_decode of several sequences' tokens (batch.Job: each sequence at most once, n_batch in all);
         each job gets its rows, copied out of llama.cpp's buffer unless it is alone."""
@@ -320,6 +322,8 @@ class Seq:
         self.version = 0  # bumped by every change to the cache: a stream notices another user's changes
         self.borrowed = 0  # tokens whose cells it shares with another sequence (_borrow), in all
         self.scope = ""  # whose requests it holds (an API key's scope): it borrows only from its own scope's
+        self.prompt_cache = None  # the engine's prefix.PrefixCache while the request it holds may use it
+        self.last_restore: tuple[int, str] = (0, "")  # what the latest sync restored from it: (tokens, tier)
 
     def __getattr__(self, name: str):
         return getattr(self.model, name)
@@ -401,8 +405,10 @@ class Seq:
         self.check()
         keep = self.cached_prefix(head)
         self.truncate(keep)  # always: also clears positions an interrupted decode left beyond the token list
-        borrowed = self.borrowed
         self._borrow(head)
+        # a kept state holding more of the prompt than this sequence and its neighbours (the prefix store)
+        self.last_restore = self.prompt_cache.restore(self, head) if self.prompt_cache is not None else (0, "")
+        reused = len(self.tokens)
         rest = tokens[len(self.tokens):]
         if cancel is not None:
             # offloaded to a GPU, whole batches (a GPU wants them big, and gets through them fast); half batches
@@ -420,7 +426,36 @@ class Seq:
         # a prompt's prefill (the loop's, which can be cancelled), not a drafter catching its cache up by a token
         prefill = len(rest) if cancel is not None else 0
         row = self.decode(rest, logits="last" if logits else "none", prefill=prefill, cancel=cancel)
-        return keep + self.borrowed - borrowed, row
+        return reused, row
+
+    def state(self) -> bytearray | None:
+        """A copy of this sequence's KV state (llama_state_seq_get_data: its cells' positions and K/V rows, not
+        the tokens), or None where llama.cpp gives none."""
+        model = self.model
+        with model._ctx_lock:
+            ctx = model._live_ctx()
+            n = L.llama_state_seq_get_size(ctx, self.id)
+            if n <= 0:
+                return None
+            blob = bytearray(n)
+            got = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * n).from_buffer(blob), n, self.id)
+        return blob if got == n else None
+
+    def set_state(self, blob: bytearray, tokens: Sequence[int]) -> bool:
+        """Make this sequence hold a kept state (replacing what it held) whose cells are `tokens`; False, and the
+        sequence emptied, where llama.cpp refuses it (another layout: it checks the shape, never the weights,
+        which is why the store keys states by the model file and settings)."""
+        model = self.model
+        with model._ctx_lock:
+            ctx = model._live_ctx()
+            got = L.llama_state_seq_set_data(ctx, (ctypes.c_uint8 * len(blob)).from_buffer(blob), len(blob), self.id)
+            self.version += 1
+            if got == len(blob):
+                self.tokens[:] = list(tokens)
+                return True
+            self.tokens.clear()  # a refused state may have emptied the sequence half way
+            L.llama_memory_seq_rm(model._mem, self.id, -1, -1)
+        return False
 
     def _borrow(self, tokens: Sequence[int]) -> int:
         """Where another sequence of the model holds more of `tokens` than this one (which holds a prefix of
@@ -459,38 +494,3 @@ class Seq:
         self.model._live_ctx()
         with self.model._ctx_lock:
             return L.llama_memory_seq_pos_max(self.model._mem, self.id)
-
-
-@dataclass(frozen=True)
-class Check:
-    rule: str
-    ok: bool
-    detail: str
-
-
-def compare_vocab(target: Model, draft: Model) -> list[Check]:
-    """llama.cpp's draft/target compatibility rules (common/speculative.cpp), one Check per rule."""
-    tv, dv = target.vocab, draft.vocab
-
-    def same(rule: str, a, b) -> Check:
-        return Check(rule, a == b, f"target {a!r}, draft {b!r}")
-
-    checks = [same("vocab type", L.llama_vocab_type(tv), L.llama_vocab_type(dv))]
-    for name, add, tok in (("BOS", L.llama_vocab_get_add_bos, L.llama_vocab_bos),
-                           ("EOS", L.llama_vocab_get_add_eos, L.llama_vocab_eos)):
-        ta, da = bool(add(tv)), bool(add(dv))
-        ok = ta == da and (not ta or tok(tv) == tok(dv))
-        checks.append(Check(f"add_{name.lower()} and {name} id", ok,
-                            f"target add={ta} id={tok(tv)}, draft add={da} id={tok(dv)}"))
-    diff = abs(target.n_vocab - draft.n_vocab)
-    checks.append(Check("vocab size difference <= 128", diff <= 128,
-                        f"target {target.n_vocab}, draft {draft.n_vocab} (difference {diff})"))
-    first = next((i for i in range(5, min(target.n_vocab, draft.n_vocab))
-                  if target.token_text(i) != draft.token_text(i)), None)
-    if first is None:
-        checks.append(Check("token text from id 5 on", True, f"ids 5..{min(target.n_vocab, draft.n_vocab) - 1} identical"))
-    else:
-        checks.append(Check("token text from id 5 on", False,
-                            f"first difference at token {first}: {target.token_text(first).decode(errors='replace')!r} "
-                            f"vs {draft.token_text(first).decode(errors='replace')!r}"))
-    return checks

@@ -37,6 +37,7 @@ class Request:
     logprobs: int | None = None  # 0..20: each token's log-probability and this many top alternatives
     prediction: str | tuple[int, ...] | None = None  # text (or token ids) the output is expected to resemble
     history: bool = True  # where the engine keeps a history of outputs: draft from it and add this one to it
+    prompt_cache: bool = True  # where the engine keeps prompt states: restore this prompt from one, keep its own
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "seed", "k", "logprobs"):
@@ -67,7 +68,7 @@ class Request:
             object.__setattr__(self, name, float(v))
         if not all(isinstance(x, str) for x in self.stop):
             raise RequestError("stop must be a string or a list of strings")
-        for name in ("json_object", "history"):
+        for name in ("json_object", "history", "prompt_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.constraint()  # an invalid schema, grammar or regex is an error now, naming it

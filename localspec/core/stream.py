@@ -34,7 +34,7 @@ class Stats:
     k: int  # draft tokens per round at most, after clamping to what one decode holds
     finish_reason: str
     prompt_tokens: int
-    prompt_reused: int
+    prompt_reused: int  # prompt tokens not prefilled: held by the cache already (see prompt_restored)
     prompt_prefilled: int
     draft_prompt_reused: int
     draft_prompt_prefilled: int
@@ -56,6 +56,8 @@ class Stats:
     accepted_history: int
     seed: int  # the request's seed (drawn at random when none was given): pass it again to reproduce a run
     notes: tuple[str, ...] = ()  # what the request asked for but did not get, and why
+    prompt_restored: int = 0  # of prompt_reused, tokens restored from a kept prompt state (the prefix store)
+    prompt_restored_from: str = ""  # 'ram' or 'disk' ('' where nothing was restored)
 
     @property
     def acceptance_rate(self) -> float:
@@ -84,8 +86,14 @@ class Stats:
         return d
 
     def line(self) -> str:
-        s = (f"{self.generated} tokens in {self.gen_s:.2f}s ({self.gen_tps:.1f} tok/s), "
-             f"prompt {self.prompt_prefilled} prefilled + {self.prompt_reused} reused; drafter {self.drafter}")
+        s = f"{self.generated} tokens in {self.gen_s:.2f}s ({self.gen_tps:.1f} tok/s), prompt {self.prompt_tokens:,}"
+        if self.prompt_reused:
+            where = (f"{self.prompt_restored_from}" if self.prompt_restored == self.prompt_reused else
+                     f"{self.prompt_restored:,} {self.prompt_restored_from}" if self.prompt_restored else "kept")
+            s += f" = {self.prompt_reused:,} cached ({where}) + {self.prompt_prefilled:,} prefilled"
+        else:
+            s += " prefilled"
+        s += f" in {self.prompt_s:.2f}s; drafter {self.drafter}"
         if self.drafted:
             s += (f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.0%}), "
                   f"{self.mean_accepted:.2f} per round")
@@ -243,6 +251,8 @@ class Stream:
                                prompt_prefilled=pre.prefilled + 1 if pre else 0,
                                draft_prompt_reused=pre.draft_reused if pre else 0,
                                draft_prompt_prefilled=pre.draft_prefilled if pre else 0, prompt_s=pre.seconds if pre else 0.0,
+                               prompt_restored=pre.restored if pre else 0,
+                               prompt_restored_from=pre.restored_from if pre else "",
                                generated=n, gen_s=time.perf_counter() - t_gen, rounds=rounds, drafted=drafted,
                                accepted=acc, accepted_at=tuple(at), draft_s=t_d, verify_s=t_v,
                                drafted_forced=forced[0], accepted_forced=forced[1],

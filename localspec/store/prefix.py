@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import struct
 import sys
 import tempfile
@@ -54,6 +55,18 @@ _SAFE_SCOPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 def default_root() -> Path:
     return home() / "kv"
+
+
+def default_disk_mb(root: Path) -> float:
+    """The disk tier's default cap: CAP_BYTES, or a quarter of the free space where root's disk has less."""
+    where = root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return CAP_BYTES / 2 ** 20
+    return min(CAP_BYTES, free / 4) / 2 ** 20
 
 
 def scope_folder(scope: str) -> str:
