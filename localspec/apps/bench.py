@@ -152,7 +152,8 @@ def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: flo
         m.truncate(0)
     stream = llm.stream(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed,
                         drafter="auto" if method in ("auto-pred", "auto-hist") else method, json_schema=schema,
-                        prediction=prediction if method == "auto-pred" else None, trace=trace)
+                        prediction=prediction if method == "auto-pred" else None, trace=trace,
+                        prompt_cache=False)  # each run prefills afresh, as the peers' do
     n, text, t_first = 0, [], None
     try:
         for ev in stream:
