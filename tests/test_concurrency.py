@@ -81,7 +81,7 @@ def par(request, smol_path):
 
 
 @pytest.mark.parametrize("head, rounds", [(600, 3), pytest.param(600, 20, marks=pytest.mark.slow),
-                                          pytest.param(2500, 20, marks=pytest.mark.slow)])
+                                          pytest.param(2500, 8, marks=pytest.mark.slow)])
 def test_clients_sharing_one_long_system_prompt_each_get_their_text_alone(par, solo, head, rounds):
     """The most common thing an app does: every client sends the same system prompt (longer than a prefill chunk)
     with its own question, at the same moment. A chunk wholly borrowed from another sequence (prefilled once,
@@ -270,11 +270,10 @@ def test_many_clients_that_cancel_and_disconnect_leave_the_server_whole(busy_ser
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
-def test_the_stress_at_two_hundred_requests(busy_server, solo_1024, seed):
-    """The same, 200 requests a run, heads of 40-700 tokens."""
-    counts = stress(busy_server, solo_1024, 200, seed=seed)
-    assert counts["read"] > 50 and counts["left streaming"] and counts["left waiting"]
+def test_the_stress_at_a_hundred_requests(busy_server, solo_1024):
+    """The same, 100 requests a run, heads of 40-700 tokens (scripts can run it longer: stress(..., 200, seed))."""
+    counts = stress(busy_server, solo_1024, 100, seed=busy_server.port)
+    assert counts["read"] > 25 and counts["left streaming"] and counts["left waiting"]
     assert "Traceback" not in busy_server.output()
 
 
