@@ -3,6 +3,11 @@
 Tier 1 on synthetic distributions, tier 2 on SmolLM2-135M (its own draft, exact mode).
 """
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,6 +88,52 @@ def test_a_constraint_compiles_once_per_process():
     # the order of a schema's keys is the order of the output's: another order is another grammar
     assert compile_spec(json_schema={"properties": schema["properties"], "type": "object"}) != g
     assert compile_spec(regex=" ") and compile_spec(regex="a+")  # a regex of one space is a regex
+
+
+def catalog(n: int) -> dict:
+    """A schema of n $defs as an API's generated models have them: records with ids, enums, nested objects, a
+    reference to the record before (a chain n long) and to another."""
+    defs = {}
+    for i in range(n):
+        defs[f"Record{i}"] = {
+            "type": "object", "description": f"Record {i}: one entry of the catalog (generated from the API's models).",
+            "properties": {
+                "id": {"type": "string", "pattern": "^[a-z0-9-]{8,36}$"},
+                "name": {"type": "string", "maxLength": 80},
+                "kind": {"enum": ["alpha", "beta", "gamma", "delta", f"kind{i}"]},
+                "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+                "parent": {"$ref": f"#/$defs/Record{i - 1}"} if i else {"type": "null"},
+                "links": {"type": "array", "items": {"$ref": f"#/$defs/Record{i * 7 % n}"}},
+                "meta": {"type": "object", "properties": {"created": {"type": "string", "format": "date-time"},
+                                                          "count": {"type": "integer", "minimum": 0}}}},
+            "required": ["id", "name", "kind"], "additionalProperties": False}
+    return {"$defs": defs, "type": "object", "required": ["items"],
+            "properties": {"items": {"type": "array", "items": {"$ref": f"#/$defs/Record{n - 1}"}}}}
+
+
+def tool_parameters(kb: int) -> dict:
+    """A tool's parameters of about kb KB: many documented fields, some arrays of objects."""
+    props: dict = {}
+    while len(json.dumps(props)) < kb * 1000:
+        i = len(props)
+        props[f"field_{i}"] = ({"type": "array", "items": {"type": "object", "required": ["key"], "properties": {
+                                   "key": {"type": "string"}, "value": {"type": "string"}}}} if i % 5 == 0 else
+                               {"type": ["string", "integer", "boolean", "number"][i % 4],
+                                "description": f"Field {i} of the request (what the tool does with it; see the docs)."})
+    return {"type": "object", "properties": props, "required": list(props)[:10], "additionalProperties": False}
+
+
+def chain(kind: str, n: int) -> dict:
+    """A constraint whose definitions each refer to the next, n long: the shapes llguidance recurses deepest on."""
+    if kind == "schema":  # objects whose property is the next object (the security probe's schema)
+        defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+        return {"json_schema": {"$defs": defs | {f"d{n}": {"type": "string"}}, "$ref": "#/$defs/d0"}}
+    if kind == "lark":  # each rule is the next one
+        return {"grammar": "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'}
+    if kind == "lark groups":  # each rule is the next one inside 20 groups: 1.8 KB of stack a group
+        return {"grammar": "start: r0\n" + "".join(f"r{i}: {'(' * 20}r{i + 1}{')' * 20}\n" for i in range(n))
+                           + f'r{n}: "x"\n'}
+    raise ValueError(kind)
 
 
 # ---- tier 2 ----
@@ -214,3 +265,38 @@ def test_a_constraint_that_outgrows_llguidance_limits_raises_instead_of_ending_e
     monkeypatch.undo()
     assert json.loads(smol_engine.generate(smol_engine.chat_tokens(ASK), max_tokens=64, temperature=0,
                                            json_schema=PERSON).text)
+
+
+# A chain of ~1,000 objects (75 KB of schema) or ~2,700 Lark rules overflowed an 8 MB thread stack inside
+# llguidance (SIGSEGV, the server gone): each is compiled and its matcher built in a child process, so that a
+# crash fails the test instead of ending pytest.
+DEEP = """
+import json, sys
+from localspec.core.grammar import Grammar, GrammarError, compile_spec
+from localspec.core.model import Model
+try:
+    Grammar(Model(sys.argv[1], vocab_only=True), compile_spec(**json.loads(sys.stdin.read()))).allowed()
+    print("compiled")
+except GrammarError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("kind, n, outcome", [
+    ("schema", 1_000, "compiled"),  # 75 KB: crashed on an 8 MB stack
+    ("schema", 12_000, "refused: the constraint failed"),  # 900 KB: crashed; now past llguidance's symbol limit
+    ("lark", 3_000, "compiled"),  # crashed on an 8 MB stack
+    ("lark groups", 14_000, r"refused: grammar has 294,\d{3} .* at most 50,000"),  # 760 KB: overflows 512 MiB too
+])
+def test_deep_constraints_are_compiled_or_refused_never_crash(smol_path, kind, n, outcome):
+    root = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, "-c", DEEP, str(smol_path)], input=json.dumps(chain(kind, n)),
+                       capture_output=True, text=True, timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert re.match(outcome, r.stdout), r.stdout
+
+
+def test_big_real_schemas_still_compile(smol_engine):
+    """300 $defs that refer to each other (200 KB, 5,700 of MAX_UNITS) and a tool's 50 KB of parameters."""
+    for schema in (catalog(300), tool_parameters(50)):
+        Grammar(smol_engine.target, compile_spec(json_schema=schema)).allowed()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -32,6 +33,20 @@ JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 # 1 MB: 8 s): the server does it off its event loop, once per process for each text (below).
 MAX_SPEC_CHARS = 1 << 20
 CACHED_CHARS = 256 << 10  # texts up to this size keep their compiled grammar (an app resends its schema)
+# llguidance recurses through a grammar when it compiles it (validate_grammar) and again when it builds a matcher
+# from it: a few frames deeper for each rule a rule refers to, each object or array a schema nests or refers to,
+# each group in a Lark rule. A chain of 1,000 objects (75 KB of schema) or 2,700 Lark rules overflowed an 8 MB
+# thread stack: SIGSEGV, the whole process gone. So those calls run on a thread of their own with STACK bytes of
+# stack (address space; only the depth used is touched, and it is freed with the thread), and a constraint with
+# over MAX_UNITS '{', '[', '(' and line breaks (each object, array, group and Lark rule has one: a bound on that
+# depth, however they are chained) is refused before llguidance sees it. Measured, one unit costs up to 4.1 KB
+# (a chain of "items" $refs; a Lark rule 3.1 KB, a group 1.8 KB): MAX_UNITS of them take 205 MB, 40% of STACK
+# (which held 172,000 chained Lark rules; 13,800 rules of 20 groups each, 290,000 units, overflowed it). Real
+# constraints are far below: 300 $defs in 200 KB of schema are 5,700 units, a tool's 50 KB of parameters 1,000.
+# The per-token calls (masks, consume, rollback, validate, forced tokens) do not recurse with this depth (run on
+# a 1 MiB stack for grammars 20,000 deep): they stay on the caller's thread.
+STACK = 512 << 20
+MAX_UNITS = 50_000
 
 
 class GrammarError(LocalspecError):
@@ -83,10 +98,14 @@ def compile_spec(*, json_schema=None, grammar: str | None = None, regex: str | N
 
 def _compiled(field: str, text: str) -> str:
     """The checked llguidance grammar of one constraint's text."""
+    return _deep(_compile, field, text)
+
+
+def _compile(field: str, text: str) -> str:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
-    try:
+    try:  # these only wrap the text (a schema nests at most 128 levels in llguidance's JSON parser)
         if field in ("json_schema", "json_object"):
             g = LLMatcher.grammar_from_json_schema(json.loads(text), defaults=JSON_DEFAULTS)
         elif field == "grammar":
@@ -95,10 +114,50 @@ def _compiled(field: str, text: str) -> str:
             g = LLMatcher.grammar_from_regex(text)
     except Exception as e:  # llguidance's converters raise ValueError and friends on malformed input
         raise GrammarError(f"{field} is invalid: {_one_line(e)}") from None
+    _bound(field, g)
     error = LLMatcher.validate_grammar(g, limits=_limits())
     if error:
         raise GrammarError(f"{field} is invalid: {_one_line(error)}")
     return g
+
+
+def _bound(field: str, g: str) -> None:
+    """GrammarError when llguidance's grammar `g` might nest deeper than STACK holds (see MAX_UNITS)."""
+    units = g.count("{") + g.count("[") + g.count("(") + g.count("\n")
+    if units > MAX_UNITS:
+        raise GrammarError(f"{field} has {units:,} objects, arrays, groups and lines ('{{', '[', '(' and line "
+                           f"breaks); at most {MAX_UNITS:,} are accepted, as llguidance's compiler recurses through "
+                           "them: send a smaller one")
+
+
+_stack_size = threading.Lock()  # threading.stack_size is one setting for the process
+
+
+def _deep(fn, *args):
+    """fn(*args) on a new thread with STACK bytes of stack; its result or its exception."""
+    out: list = []
+
+    def run():
+        try:
+            out.append((True, fn(*args)))
+        except BaseException as e:  # handed to the caller, raised there
+            out.append((False, e))
+
+    with _stack_size:  # another thread started meanwhile (not through here) gets this stack too: address space
+        before = threading.stack_size(STACK)
+        try:
+            thread = threading.Thread(target=run, name="llguidance-compile", daemon=True)
+            thread.start()
+        except RuntimeError as e:  # the address space is capped (ulimit -v) or memory is not overcommitted
+            raise GrammarError(f"no thread with {STACK >> 20} MiB of stack could be started to compile the "
+                               f"constraint ({e}): allow the process more address space") from None
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 # compiled once per process (at most 32 x 256 KiB of text and their grammars kept): a request's options are
@@ -150,17 +209,23 @@ class Unconstrained:
         return False
 
 
+def _matcher(model, grammar: str):
+    """The model's llguidance tokenizer and a matcher of `grammar` over it."""
+    from llguidance import LLMatcher
+
+    with model.in_use():  # llguidance tokenizes through the llama.cpp vocabulary: not freed meanwhile
+        tok = tokenizer(model)
+        return tok, LLMatcher(tok, grammar, log_level=0, limits=_limits())
+
+
 class Grammar:
     """An llguidance matcher whose state follows the emitted tokens; row masks for each verified position."""
 
     def __init__(self, model, grammar: str):
-        from llguidance import LLMatcher
-
         self.model, self.n_vocab = model, model.n_vocab
-        with model.in_use():  # llguidance tokenizes through the llama.cpp vocabulary: not freed meanwhile
-            self.tok = tok = tokenizer(model)
-            self.matcher = LLMatcher(tok, grammar, log_level=0, limits=_limits())
-        self.eog = frozenset(tok.eos_tokens)
+        _bound("the constraint", grammar)  # compile_spec's output has been bounded: a grammar from elsewhere
+        self.tok, self.matcher = _deep(_matcher, model, grammar)  # it compiles the grammar again (see STACK)
+        self.eog = frozenset(self.tok.eos_tokens)
         self._check()
         self._ahead = 0  # draft tokens consumed beyond the emitted ones (while rows are being masked)
         self._spelled: dict[tuple, bool] = {}  # _spelled_so's answers
