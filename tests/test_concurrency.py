@@ -76,7 +76,9 @@ def solo(smol_path):
 
 @pytest.fixture(scope="module", params=[4, pytest.param(2, marks=pytest.mark.slow)])
 def par(request, smol_path):
-    with localspec.load(target=smol_path, draft=smol_path, n_ctx=3072, parallel=request.param) as llm:
+    """Parallel slots without a prompt cache: a head is prefilled together and borrowed, never restored."""
+    with localspec.load(target=smol_path, draft=smol_path, n_ctx=3072, parallel=request.param, prompt_cache_mb=0,
+                        prompt_cache_disk_mb=0) as llm:
         yield llm
 
 
