@@ -13,13 +13,15 @@ tokenized once; every system is sent the same token ids (/v1/completions, stream
 tokens), each request's own question after the prefix. For each system, size and kind, in fresh processes
 whose prompt caches start empty (ours: an empty $LOCALSPEC_HOME/kv in a temporary LOCALSPEC_HOME with the models
 and calibration linked from the real one), time to the first streamed text:
-  cold     the prefix's first request (after a "Hello" warm-up: each process start gets one, so no time here
-           is a process's first decode)
+  cold     the prefix's first request (after a warm-up, "Hello, world." as plain text: each process start gets
+           one, so no time here is a process's first decode)
   warm     the same prefix again in the same process, a new question
   A/B      prefix B (another of the same size), then A again with a new question, at one slot
   restart  the server stopped and started again (its disk tier kept), A with a new question
 and the ratios A/B / cold and restart / cold (done when both are <= 1/10 at 2,000 and 4,000 tokens).
-llama-server and LlamaRAMCache keep nothing across a restart: cold by construction. Then `no match` (ours
+llama-server and LlamaRAMCache keep nothing across a restart: cold by construction. LlamaDiskCache takes the
+entry sharing the most tokens with a prompt out of its cache whether it loads it or not, and B shares the chat
+template's first tokens with A: B's lookup takes A's state away, so its A after B is cold too. Then `no match` (ours
 only): a new prefix every request, sent to a server with the default prompt cache and to one with
 --no-prompt-cache, in alternating order, --repeats per size: their time to first token and total time (the
 cache's keep at the end of a request is before the stream ends, so it is in the total; the disk write that
@@ -474,7 +476,7 @@ def caps(system: System, prompts: list[list[int]], again: list[int], kv: Path, m
             before = kv_files(kv)
             r = s.request(ids, max_tokens)
             r["landed"] = landed(kv, before, timeout=5)
-            r["kv_bytes"] = folder_bytes(kv)
+            r["kv_bytes"], r["rss"] = folder_bytes(kv), mem(s.pid).get("VmRSS", 0)  # settled, between requests
             rows.append(r)
             time.sleep(GAP_S)
         peak = sampler.stop()
@@ -578,7 +580,9 @@ def main() -> None:
     with localspec.load(target=target, n_ctx=n_ctx, n_threads=args.threads, prompt_cache_mb=0,
                         prompt_cache_disk_mb=0) as llm:
         prompts = Prompts(llm.render_chat, llm.tokenize)
-        warm_up = llm.tokenize(llm.render_chat([_turn("user", "Hello")]))
+        # plain text: it shares no first token with the prompts (LlamaDiskCache takes the entry sharing most with a
+        # prompt out of the cache, used or not: a templated warm-up would take A's state before A's restart)
+        warm_up = llm.tokenize("Hello, world.", add_special=False)
         pairs = {(k, n): (prompts.prefix(k, 0, n), prompts.prefix(k, 1, n)) for n in sizes for k in kinds}
         asked = {key: {step: prompts.prompt(b if step == "b" else a, q) for step, q in (*STEPS, ("restart", RESTART))}
                  for key, (a, b) in pairs.items()}
@@ -586,7 +590,8 @@ def main() -> None:
                  for i, n in enumerate(n for n in sizes for _ in range(args.repeats))]
         big = [prompts.prompt(prompts.prefix(kinds[j % len(kinds)], 2 + j, max(sizes)), COLD) for j in range(4)]
         again = prompts.prompt(prompts.prefix(kinds[2 % len(kinds)], 4, max(sizes)), WARM)
-        check_apart([p for a in asked.values() for p in (a["cold"], a["b"])])
+        for a in asked.values():  # each (kind, size) runs in processes of its own: only A and B must part
+            check_apart([a["cold"], a["b"]])
         check_apart([ids for _, ids in fresh])
         check_apart(big)
         longest = max([len(p) for a in asked.values() for p in a.values()] + [len(ids) for _, ids in fresh]
@@ -637,7 +642,7 @@ def main() -> None:
             "target": str(target), "draft": str(draft) if draft else None, "drafter": args.drafter, "n_ctx": n_ctx,
             "n_batch": 512, "n_ubatch": 512, "flash_attn": fa, "max_tokens": args.max_tokens,
             "loadavg_start": os.getloadavg(), "prompts_sha256": digest}
-    print(f"{info['cpu']} ({info['cores']} cores), {threads} threads; llama-cpp-python {info['llama_cpp_python']}, "
+    print(f"{info['cpu']} ({info['cores']} cores), threads {threads}; llama-cpp-python {info['llama_cpp_python']}, "
           f"llama-server {info['llama_server']}; localspec {info['localspec']}; target {target.name}"
           f"{f', draft {draft.name}' if draft else ''}, drafter {args.drafter}; n_ctx {n_ctx}, batch 512/512, "
           f"flash attention {fa}; {args.max_tokens} tokens a request; logs in {log}", file=sys.stderr, flush=True)
@@ -677,7 +682,7 @@ def main() -> None:
 
 
 def report(info: dict, cycles: list[dict], nm: dict | None, cap: dict | None, sizes, kinds, systems) -> None:
-    print(f"\n{info['cpu']}, {info['threads']} threads; llama-cpp-python {info['llama_cpp_python']}; "
+    print(f"\n{info['cpu']}, threads {info['threads']}; llama-cpp-python {info['llama_cpp_python']}; "
           f"llama-server {info['llama_server']}; load average {info['loadavg_start'][0]:.2f} at the start, "
           f"{info['loadavg_end'][0]:.2f} at the end")
     print(f"\n{'system':>13} {'size':>5} {'kind':<12} {'tokens':>6} {'cold':>8} {'warm':>8} {'A/B':>8} "
@@ -701,7 +706,8 @@ def report(info: dict, cycles: list[dict], nm: dict | None, cap: dict | None, si
             rows = [c for c in cycles if c["system"] == name and c["size"] == n]
             ab = max(c["ab"]["ttft"] / c["cold"]["ttft"] for c in rows)
             rs = max(c["restart"]["ttft"] / c["cold"]["ttft"] for c in rows)
-            parts.append(f"{n}: A/B {ab:.3f}, restart {rs:.3f}")
+            verdict = "" if n < 2000 else " (done)" if max(ab, rs) <= 0.1 else " (NOT done)"
+            parts.append(f"{n}: A/B {ab:.3f}, restart {rs:.3f}{verdict}")
         print(f"{name:>13}  " + "; ".join(parts))
     if nm:
         print("\nno match (ours, a new prefix each request; prompt cache on vs --no-prompt-cache, alternating)")
@@ -717,18 +723,26 @@ def report(info: dict, cycles: list[dict], nm: dict | None, cap: dict | None, si
             print(f"{'all' if n is None else n:>5} {len(rows):>3} {_s(t['on'] / len(rows))} {_s(t['off'] / len(rows))} "
                   f"{t['on'] / t['off'] - 1:>+7.1%} {_s(s['on'] / len(rows))} {_s(s['off'] / len(rows))} "
                   f"{s['on'] / s['off'] - 1:>+7.1%} {_s(statistics.mean(land) if land else None)}")
+        t = sum(r["on"]["ttft"] for r in nm["rows"]) / sum(r["off"]["ttft"] for r in nm["rows"]) - 1
+        s = sum(r["on"]["seconds"] for r in nm["rows"]) / sum(r["off"]["seconds"] for r in nm["rows"]) - 1
+        print(f"the prompt cache's cost with no match: TTFT {t:+.1%}, total {s:+.1%} "
+              f"({'done' if max(t, s) < 0.02 else 'NOT done'}: < 2%)")
         g = nm["rss_growth"]
         print(f"RSS growth: on {g['on'] / 2**20:.0f} MB (default caps), off {g['off'] / 2**20:.0f} MB; "
               f"kv folder peak {nm['kv_peak'] / 2**20:.0f} MB")
     if cap:
         grown = (cap["rss_peak"] - cap["rss_base"]) / 2 ** 20
         off = nm["rss_growth"]["off"] / 2 ** 20 if nm else None
-        share = f", {grown - off:.0f} MB over the no-cache server's growth" if off is not None else ""
+        share = (f", {grown - off:.0f} MB over the no-cache server's growth: "
+                 f"{'under' if grown - off <= cap['ram_cap_mb'] else 'OVER'} the cap" if off is not None else "")
         print(f"\ncaps (ours, {len(cap['rows']) - 1} new prefixes of {max(sizes)} tokens, then the third again; "
               f"a state ~{cap['state_mb']:.0f} MB)")
-        print(f"RAM  cap {cap['ram_cap_mb']:.0f} MB: RSS grew {grown:.0f} MB at its peak{share} (VmHWM "
-              f"{cap['rss_hwm'] / 2**20:.0f} MB, base {cap['rss_base'] / 2**20:.0f} MB)")
-        print(f"disk cap {cap['disk_cap_mb']:.0f} MB: kv folder peak {cap['kv_peak'] / 2**20:.0f} MB, "
+        settled = (max(r["rss"] for r in cap["rows"]) - cap["rss_base"]) / 2 ** 20
+        print(f"RAM  cap {cap['ram_cap_mb']:.0f} MB: RSS grew {grown:.0f} MB at its peak{share}; {settled:.0f} MB "
+              f"between requests at most (VmHWM {cap['rss_hwm'] / 2**20:.0f} MB, base "
+              f"{cap['rss_base'] / 2**20:.0f} MB)")
+        print(f"disk cap {cap['disk_cap_mb']:.0f} MB: kv folder peak {cap['kv_peak'] / 2**20:.0f} MB "
+              f"({'under' if cap['kv_peak'] <= cap['disk_cap_mb'] * 2**20 else 'OVER'} the cap), "
               f"{cap['kv_final'] / 2**20:.0f} MB at the end")
         print("requests: " + ", ".join(f"{r['ttft']:.2f}s cached {r.get('cached')} ({r.get('tier') or 'none'})"
                                        for r in cap["rows"]))
