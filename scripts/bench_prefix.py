@@ -734,7 +734,8 @@ def report(info: dict, cycles: list[dict], nm: dict | None, cap: dict | None, si
         grown = (cap["rss_peak"] - cap["rss_base"]) / 2 ** 20
         off = nm["rss_growth"]["off"] / 2 ** 20 if nm else None
         share = (f", {grown - off:.0f} MB over the no-cache server's growth: "
-                 f"{'under' if grown - off <= cap['ram_cap_mb'] else 'OVER'} the cap" if off is not None else "")
+                 f"{'under' if grown - off <= cap['ram_cap_mb'] + cap['state_mb'] else 'OVER'} the cap + one state "
+                 "(a state being taken, restored or written is held once more)" if off is not None else "")
         print(f"\ncaps (ours, {len(cap['rows']) - 1} new prefixes of {max(sizes)} tokens, then the third again; "
               f"a state ~{cap['state_mb']:.0f} MB)")
         settled = (max(r["rss"] for r in cap["rows"]) - cap["rss_base"]) / 2 ** 20
