@@ -370,3 +370,26 @@ def test_the_first_token_floor_takes_prompts_that_arrive_together_shortest_first
     assert mod.ttft_floor([2.0, 2.0]) == 2.0  # one of two equal prompts waits for the other
     # 0.46 first (1x), 0.49 after it (1.94x), 0.81 after both (2.17x), 2.06 last (1.85x)
     assert mod.ttft_floor([0.81, 0.49, 0.46, 2.06]) == (0.46 + 0.49 + 0.81) / 0.81
+
+
+def test_bench_prefix_builds_the_same_prompts_of_each_size_every_time(smol_engine, monkeypatch):
+    """scripts/bench_prefix.py's prompts (not its timings): each kind's prefix is at most its size and close to
+    it, built again it is the same, and two variants part within a block (neither matches the other's state)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_prefix.py"
+    spec = importlib.util.spec_from_file_location("bench_prefix", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_prefix", mod)  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    prompts = mod.Prompts(smol_engine.render_chat, smol_engine.tokenize)
+    again = mod.Prompts(smol_engine.render_chat, smol_engine.tokenize)
+    for kind in mod.KINDS:
+        for size in (200, 500):
+            a = prompts.prefix(kind, 0, size)
+            assert 0.85 * size <= a.tokens <= size
+        ids = [prompts.prompt(a, q) for q in range(len(mod.QUESTIONS))]
+        assert all(mod.agree(ids[0], other) == a.tokens for other in ids[1:])  # the questions part right after it
+        b = prompts.prefix(kind, 1, 200)
+        assert 0.85 * 200 <= b.tokens <= 200 and mod.agree(prompts.prompt(b, mod.COLD), ids[0]) < mod.BLOCK
+        assert again.prompt(again.prefix(kind, 1, 200), mod.COLD) == prompts.prompt(b, mod.COLD)
