@@ -21,13 +21,15 @@ import llama_cpp as L
 import numpy as np
 
 from .llama import (FLASH_ATTN, KV_TYPES, PREFILL_CHUNK, Cancelled, ContextFullError, DecodeError,  # noqa: F401
-                    ModelConfig, ModelError, _fields, _in_use, _interrupt_after, _last_log, _recent_log, _Users, amx_faults,
+                    ModelConfig, ModelError, _fields, _in_use, _interrupt_after, _last_log, _recent_log, _Users,
                     check_gguf, default_threads, exact_matmuls, note_context, resolve_flash_attn, set_verbose,
                     tiled_matmul_setting)
 
 
 class Model:
-    """A llama.cpp model with its own context and KV cache (sequence 0)."""
+    """A llama.cpp model with its own context and KV cache (sequence 0). Where this llama.cpp build's AMX kernels
+    crash, the caller must pass use_extra_bufts=False in cfg.kwargs (store.machine.amx_safe finds out and sets it;
+    load() does so)."""
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig = ModelConfig(), *, vocab_only: bool = False):
         self.path = check_gguf(path)
@@ -43,8 +45,6 @@ class Model:
         mp.vocab_only = vocab_only
         if cfg.exact:
             mp.use_extra_bufts = False  # no CPU weight repacking: batched logits == single-token logits
-        elif not vocab_only and "use_extra_bufts" not in cfg.kwargs and amx_faults(self.path):
-            mp.use_extra_bufts = False  # llama.cpp's AMX kernels crash this build (amx_faults says why)
         cp = L.llama_context_default_params()
         threads = cfg.n_threads or default_threads()
         # Concurrent requests (n_seq > 1) each get a sequence of n_ctx positions, plus sequence 0 for the

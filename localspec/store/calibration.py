@@ -11,9 +11,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..core.costs import BATCH_SEQS, Costs, measure, measure_batch, plan
-from ..core.llama import keep, machine_key, read_kept, system_info
+from ..core.llama import system_info
 from ..core.exact import Cell, describe, probe_depths, probe_exact
 from ..core.model import Model, ModelConfig, ModelError, default_threads, tiled_matmul_setting
+from .machine import keep, machine_key, read_kept
 
 FORMAT = 9  # bump when the cached cost files change shape or how they are measured
 PROBE_FORMAT = 2  # bump when what the exact probe covers changes: older verdicts are then not trusted
