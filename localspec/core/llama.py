@@ -14,7 +14,6 @@ import signal
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping
 
 import llama_cpp as L
@@ -233,21 +232,6 @@ def resolve_flash_attn(cfg: ModelConfig) -> str:
 
 def _fields(struct) -> set[str]:
     return {name for name, ctype in struct._fields_ if ctype in _SETTABLE}
-
-
-def check_gguf(path: str | os.PathLike) -> Path:
-    """Fail early, with the fix, on paths llama.cpp would reject with a bare NULL."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelError(f"model file not found: {p}")
-    if not p.is_file():
-        raise ModelError(f"model path is not a file: {p}")
-    with open(p, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelError(f"{p} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
-                         "convert it with llama.cpp's convert_hf_to_gguf.py or download a .gguf build")
-    return p
 
 
 class _Users:

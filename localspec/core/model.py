@@ -15,6 +15,7 @@ import os
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Sequence
 
 import llama_cpp as L
@@ -22,17 +23,16 @@ import numpy as np
 
 from .llama import (FLASH_ATTN, KV_TYPES, PREFILL_CHUNK, Cancelled, ContextFullError, DecodeError,  # noqa: F401
                     ModelConfig, ModelError, _fields, _in_use, _interrupt_after, _last_log, _recent_log, _Users,
-                    check_gguf, default_threads, exact_matmuls, note_context, resolve_flash_attn, set_verbose,
-                    tiled_matmul_setting)
+                    default_threads, exact_matmuls, note_context, resolve_flash_attn, set_verbose, tiled_matmul_setting)
 
 
 class Model:
-    """A llama.cpp model with its own context and KV cache (sequence 0). Where this llama.cpp build's AMX kernels
-    crash, the caller must pass use_extra_bufts=False in cfg.kwargs (store.machine.amx_safe finds out and sets it;
-    load() does so)."""
+    """A llama.cpp model with its own context and KV cache (sequence 0), from a GGUF file the caller has checked
+    (store.registry.check_gguf). Where this llama.cpp build's AMX kernels crash, the caller must pass
+    use_extra_bufts=False in cfg.kwargs (store.machine.amx_safe finds out and sets it; load() does so)."""
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig = ModelConfig(), *, vocab_only: bool = False):
-        self.path = check_gguf(path)
+        self.path = Path(path).expanduser()
         self.cfg = cfg
         self.seqs: list[Seq] = []
         self.batcher = None  # with concurrent requests, the engine's batch.Batcher: decodes join others'
@@ -73,8 +73,8 @@ class Model:
             mp.progress_callback = stop = L.llama_progress_callback(lambda progress, data: not hit)  # noqa: F841
             self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
-            raise ModelError(f"llama.cpp could not load {self.path}: the file may be truncated or corrupt, "
-                             f"or its architecture unsupported by this llama.cpp{_last_log()}")
+            raise ModelError(f"llama.cpp could not load {self.path}: the file may be missing, not GGUF, truncated or "
+                             f"corrupt, or its architecture unsupported by this llama.cpp{_last_log()}")
         self._vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self._piece_tls = threading.local()  # a piece buffer per thread: the server's event loop reads pieces too

@@ -39,7 +39,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..core.defaults import home
+from .registry import home
 
 MAGIC = b"LSKV"
 FORMAT = 1  # bump when a file's layout changes (it is in the fingerprint too: a new format, a new folder)
