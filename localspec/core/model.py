@@ -312,9 +312,9 @@ class Seq:
     """One sequence of a Model's KV cache: the exact token list it holds (positions 0..len-1) and the three
     operations speculative decoding needs: `decode` a run of tokens asking logits only for chosen rows,
     `truncate` back to a prefix (llama_memory_seq_rm), and `sync` to a new prompt reusing the common prefix.
-    Everything else (the vocabulary, n_batch, ...) is the model's. With concurrent requests (ModelConfig.n_seq)
-    each request decodes in its own sequence, and its decodes join the others' in one llama_decode
-    (batch.Batcher)."""
+    Of its model it offers n_vocab, is_eog and check_open (what the loop and a drafter read); everything else (the
+    vocabulary, n_batch, ...) is seq.model's. With concurrent requests (ModelConfig.n_seq) each request decodes
+    in its own sequence, and its decodes join the others' in one llama_decode (batch.Batcher)."""
 
     def __init__(self, model: Model, seq_id: int, n_ctx: int):
         self.model, self.id, self.n_ctx = model, seq_id, n_ctx
@@ -324,9 +324,8 @@ class Seq:
         self.scope = ""  # whose requests it holds (an API key's scope): it borrows only from its own scope's
         self.prompt_cache = None  # the engine's prefix.PrefixCache while the request it holds may use it
         self.last_restore: tuple[int, str] = (0, "")  # what the latest sync restored from it: (tokens, tier)
-
-    def __getattr__(self, name: str):
-        return getattr(self.model, name)
+        # of its model, what the loop and a drafter ask of the sequence they decode in
+        self.n_vocab, self.is_eog, self.check_open = model.n_vocab, model.is_eog, model.check_open
 
     def decode(self, tokens: Sequence[int], *, logits: str = "last", prefill: int = 0,
                cancel=None) -> np.ndarray | None:
