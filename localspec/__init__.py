@@ -98,6 +98,7 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     from .core.engine import EXACT_PARALLEL
     from .store import download, memory, registry
     from .store.calibration import costs_keeper, exact_flash_attn
+    from .store.machine import amx_safe
 
     check_gguf = registry.check_model_path
 
@@ -186,11 +187,11 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
                 dcfg = replace(dcfg, exact=False)
                 say(f"the draft model runs without exactness (at temperature > 0 its text may then depend on "
                     f"what else the engine ran): {str(e).split(';')[0]}")
-    t = Model(target, tcfg)
+    t = Model(target, amx_safe(check_gguf(target), tcfg))  # (where this build's AMX kernels crash, without them)
     d = None
     try:
         if draft is not None:
-            d = Model(draft, dcfg)
+            d = Model(draft, amx_safe(check_gguf(draft), dcfg))
             failed = [c for c in compare_vocab(t, d) if not c.ok]
             if failed:
                 raise IncompatibleModelsError(f"draft {d.path.name} is incompatible with target {t.path.name}: "

@@ -182,7 +182,7 @@ def main() -> None:
         files += [ROOT / "scripts" / "holdout_prompts.jsonl"] if args.workload == "stream" else []
         records = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
     else:
-        head = (ROOT / "localspec" / "core" / "probe_text.txt").read_text()[:3000]
+        head = (ROOT / "localspec" / "store" / "probe_text.txt").read_text()[:3000]
         records = [{"messages": [{"role": "system", "content": head}, {"role": "user", "content": q}]}
                    for q in SHARED_HEAD_QUESTIONS]
     with localspec.load(pair=args.pair, n_ctx=args.n_ctx, n_threads=threads, parallel=max(levels)) as llm:

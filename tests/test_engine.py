@@ -278,7 +278,7 @@ def test_exact_mode_probes_the_machine_and_refuses_what_it_cannot_keep(smol_path
     assert [c[1].n_ctx for c in calls] == [1024]
     found = {"off": [cal.Cell(64, 8, 0.43), cal.Cell(64, 9, 0.43), cal.Cell(64, 16, 0.5)],
              "on": [cal.Cell(256, 2, 0.44)]}
-    monkeypatch.setattr(cal, "probe_exact", lambda path, cfg, fa, log=None: found[fa])
+    monkeypatch.setattr(cal, "probe_exact", lambda path, cfg, fa, text, log=None: found[fa])
     with pytest.raises(ModelError, match=r"flash attention off: 64 tokens deep, widths 8-9, 16 \(max \|diff\| 0\.5\); "
                                          r"flash attention on: 256 tokens deep, widths 2 \(max \|diff\| 0\.44\).*Fix: "):
         cal.exact_flash_attn(smol_path, ModelConfig(n_ctx=1024, exact=True), tmp_path, force=True)

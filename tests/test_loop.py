@@ -166,3 +166,31 @@ def test_prediction_lookup_follows_the_output_through_repeats():
     assert p.lookup([50, 51, 1, 2, 3], 2)[1] == [9, 1]  # nearest match after where it stood
     assert p.lookup([50, 51, 1, 2, 3, 9, 1, 2, 3], 2)[1] == [7, 8]  # the second occurrence, not the first
     assert p.lookup([50, 51, 4], 3) == (0, [])
+
+
+def test_the_match_walk_finds_every_longest_agreement_as_a_plain_loop_does():
+    """core.match.longest_match, the walk NgramDrafter, Prediction and SuffixCache share, against the plain
+    definition: for each place, count backwards while corpus and tail agree (never before the corpus's start,
+    never across a -1); keep the places with the most."""
+    from localspec.core.match import longest_match
+
+    def plain(corpus, ends, tail):
+        agree = []
+        for e in ends:
+            k = 0
+            while k < len(tail) and e - k >= 0 and corpus[e - k] == tail[-1 - k]:
+                k += 1
+            agree.append(k)
+        if not agree:
+            return [], 0
+        best = max(agree)
+        return [e for e, a in zip(ends, agree) if a == best], best
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        corpus = rng.integers(-1, 4, size=int(rng.integers(1, 60))).astype(np.int32)  # small alphabet: long matches
+        tail = rng.integers(0, 4, size=int(rng.integers(1, 10))).astype(np.int32)
+        ends = np.flatnonzero(rng.random(len(corpus)) < 0.5)
+        got, size = longest_match(corpus, ends, tail)
+        want, want_size = plain(corpus, ends, tail)
+        assert (got.tolist(), size) == (want, want_size)

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 import localspec
 from localspec.core.batch import Batcher
-from localspec.core.model import Model, ModelConfig, ModelError
+from localspec.core.model import Model, ModelConfig, ModelError, Seq
 from localspec.core.sampling import SamplingParams, dist
 
 from gguf_edit import shadowed
@@ -425,6 +425,19 @@ class _Recorder:
         self.decodes.append(sorted(j.seq.id for j in jobs))
         for j in jobs:
             j.rows = np.full((len(j.tokens), 2), j.seq.id, dtype=np.float32)
+
+
+def test_a_sequence_offers_what_it_says_and_nothing_more():
+    """A Seq forwarded every attribute to its model, so a typo (seq.n_vocb) reached the model silently; it offers
+    what the loop and the drafters read of it, and anything else of the model is asked of seq.model."""
+    from conftest import FakeModel
+
+    model = FakeModel({}, 10, eog=3)
+    seq = Seq(model, 1, 64)
+    assert seq.n_vocab == 10 and seq.is_eog(3) and not seq.is_eog(4) and seq.check_open() is None
+    for name in ("n_vocb", "piece", "tokenize", "n_batch", "cfg"):
+        with pytest.raises(AttributeError):
+            getattr(seq, name)
 
 
 class _Seq:

@@ -13,6 +13,7 @@ from localspec.core.auto import NEWLINE, PUNCT, WORD, AutoDrafter
 from localspec.core.drafters import ModelDrafter
 from localspec.core.model import Model, ModelConfig, ModelError
 from localspec.core.sampling import SamplingParams
+from localspec.store import machine
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
 
@@ -146,41 +147,43 @@ def test_a_build_whose_amx_kernels_crash_loads_models_without_extra_layouts(smol
                                                                              capsys):
     """On a Xeon with AMX, llama-cpp-python built by GCC 12 killed the process at its first prompt (ldtilecfg on
     a tile configuration the compiler had not finished writing). A child process finds that once per machine
-    and build; models then load without llama.cpp's extra weight layouts, and say how to rebuild."""
-    monkeypatch.setattr(llama, "_amx_works", None)
+    and build (store.machine); load() then loads models without llama.cpp's extra weight layouts, and it says how
+    to rebuild."""
+    monkeypatch.setattr(machine, "_amx_works", None)
     monkeypatch.setattr(llama, "system_info", lambda: "CPU : AVX512 = 1 | AMX_INT8 = 1 | OPENMP = 1 |")
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "a"))
-    monkeypatch.setattr(llama, "_AMX_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    assert llama.amx_faults(smol_path) is True
+    monkeypatch.setattr(machine, "_AMX_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert machine.amx_faults(smol_path) is True
     assert "AMX kernels crash on this machine (signal 11" in capsys.readouterr().err
     (kept,) = (tmp_path / "a" / "calibration").glob("amx-*.json")
     assert json.loads(kept.read_text())["amx"] == "faults"
-    m = Model(smol_path, ModelConfig(n_ctx=128))
-    assert m.extra_bufts is False and m.decode(list(range(100, 164)), logits="all").shape == (64, m.n_vocab)
-    m.close()
-    vocab = Model(smol_path, ModelConfig(n_ctx=128), vocab_only=True)
-    assert vocab.extra_bufts is True  # nothing to compute: nothing to check
-    vocab.close()
+    with localspec.load(target=smol_path, n_ctx=128) as llm:
+        assert llm.target.extra_bufts is False
+        assert llm.target.decode(list(range(100, 164)), logits="all").shape == (64, llm.target.n_vocab)
+    # the caller's own choice stands, and exact mode has them off anyway
+    mine = ModelConfig(kwargs={"use_extra_bufts": True})
+    assert machine.amx_safe(smol_path, mine) is mine
+    assert machine.amx_safe(smol_path, ModelConfig(exact=True)).kwargs == {}
     # the next process reads the verdict: a child that would say otherwise is not run
-    monkeypatch.setattr(llama, "_amx_works", None)
-    monkeypatch.setattr(llama, "_AMX_CHILD", "import sys; sys.stderr.write('AMX model buffer size = 1 MiB')")
-    assert llama.amx_faults(smol_path) is True and capsys.readouterr().err == ""
+    monkeypatch.setattr(machine, "_amx_works", None)
+    monkeypatch.setattr(machine, "_AMX_CHILD", "import sys; sys.stderr.write('AMX model buffer size = 1 MiB')")
+    assert machine.amx_faults(smol_path) is True and capsys.readouterr().err == ""
     # elsewhere the kernels run: said by llama.cpp's AMX buffer in the child's log, kept, silent
-    monkeypatch.setattr(llama, "_amx_works", None)
+    monkeypatch.setattr(machine, "_amx_works", None)
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "b"))
-    assert llama.amx_faults(smol_path) is False and "crash" not in capsys.readouterr().err
+    assert machine.amx_faults(smol_path) is False and "crash" not in capsys.readouterr().err
     (kept,) = (tmp_path / "b" / "calibration").glob("amx-*.json")
     assert json.loads(kept.read_text())["amx"] == "works"
     # a child that never reached the AMX kernels (no weights of their types) settles nothing
-    monkeypatch.setattr(llama, "_amx_works", None)
+    monkeypatch.setattr(machine, "_amx_works", None)
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "c"))
-    monkeypatch.setattr(llama, "_AMX_CHILD", "print('no AMX buffer')")
-    assert llama.amx_faults(smol_path) is False and llama._amx_works is None
+    monkeypatch.setattr(machine, "_AMX_CHILD", "print('no AMX buffer')")
+    assert machine.amx_faults(smol_path) is False and machine._amx_works is None
     assert not (tmp_path / "c" / "calibration").exists() or not list((tmp_path / "c" / "calibration").iterdir())
     # a build without AMX never runs a child
     monkeypatch.setattr(llama, "system_info", lambda: "CPU : AVX512 = 1 | OPENMP = 1 |")
-    monkeypatch.setattr(llama, "_AMX_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    assert llama.amx_faults(smol_path) is False and llama._amx_works is True
+    monkeypatch.setattr(machine, "_AMX_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert machine.amx_faults(smol_path) is False and machine._amx_works is True
 
 
 def test_settings_reach_llama_cpp(smol_path, monkeypatch):
@@ -206,8 +209,8 @@ def test_settings_reach_llama_cpp(smol_path, monkeypatch):
                            "type_k": L.GGML_TYPE_Q8_0, "type_v": L.GGML_TYPE_Q8_0, "offload_kqv": False}
     default = Model(smol_path, ModelConfig(n_ctx=256))
     default.close()
-    # the fast default keeps weight repacking, unless this build's AMX kernels crash (amx_faults)
-    assert seen["model"]["use_extra_bufts"] is default.extra_bufts is not llama.amx_faults(smol_path)
+    # the fast default keeps weight repacking (load() turns it off where this build's AMX kernels crash: amx_safe)
+    assert seen["model"]["use_extra_bufts"] is default.extra_bufts is True
     # flash attention 'auto': off on the CPU alone (slower there), llama.cpp's auto once layers are offloaded
     # or when a quantized V cache or exact mode needs it
     assert seen["ctx"]["flash_attn_type"] == L.LLAMA_FLASH_ATTN_TYPE_DISABLED

@@ -342,7 +342,7 @@ def setup(llm, *, methods, max_tokens: int, temperature: float, seed: int | None
     """What a run's figures depend on. A resumed run must match it: the same CPU, llama.cpp build, model
     files and their settings (threads, flash attention, ...; one key, as calibration keys its cache), and
     the same bench settings."""
-    from ..core.llama import cpu_name as _cpu_name
+    from ..store.machine import cpu_name as _cpu_name
     from ..store.calibration import cache_key
 
     return {"cpu": _cpu_name(), "models": cache_key(llm.target, llm.draft), "methods": list(methods),

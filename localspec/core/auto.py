@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .drafters import EMPTY, Draft, ModelDrafter, NgramDrafter, Plan, Prediction, constrained
+from .drafters import EMPTY, Draft, ModelDrafter, NgramDrafter, Plan, Prediction, constrained, cut
 
 
 class AcceptanceStats:
@@ -386,9 +386,7 @@ class AutoDrafter:
         cont, pcont, hcont = [], [], []
         if n > f:
             match = self.ngram.lookup(ctx, n - f)
-            cont = match.tokens
-            if cont and self.grammar is not None:  # priced (and scored) as far as the grammar lets it be drafted
-                cont = cont[:max(len(constrained(self.grammar, forced, Draft(cont), guess).tokens) - f, 0)]
+            cont = cut(self.grammar, lead, match.tokens)  # priced (and scored) as far as the grammar lets it be drafted
             if cont:
                 origin = "split" if match.split else "output" if match.at >= self.output_from else "prompt"
                 stats = self.ngram_stats[_bucket(match.size), self._run_level, origin]
@@ -406,9 +404,7 @@ class AutoDrafter:
                 best = max(best, score("prediction", stats.rates(len(pcont))), key=lambda b: b[2])
             if self.history is not None and self.history.size:  # nothing kept yet: no lookup
                 found = self.history.lookup(ctx, n - f)
-                hcont = found.tokens
-                if hcont and self.grammar is not None:
-                    hcont = hcont[:max(len(constrained(self.grammar, forced, Draft(hcont), guess).tokens) - f, 0)]
+                hcont = cut(self.grammar, lead, found.tokens)
             if hcont:
                 size = max(_bucket(found.size), 3)  # history matches are 3 tokens at least: 3, 4-5, 6+
                 support = 0 if found.support == 1 else 1 if found.support < 4 else 2

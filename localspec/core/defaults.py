@@ -1,12 +1,4 @@
 """Default settings, written once: the API, the CLI flags, `localspec chat`'s /set and the server read them here."""
-import os
-from pathlib import Path
-
-
-def home() -> Path:
-    """Where localspec keeps models and calibration data: $LOCALSPEC_HOME or ~/.cache/localspec."""
-    return Path(os.environ.get("LOCALSPEC_HOME") or "~/.cache/localspec").expanduser()
-
 
 # llama-cpp-python's sampling defaults (Llama.create_completion), so results compare like for like.
 SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,

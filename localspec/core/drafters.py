@@ -7,6 +7,7 @@ from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from .match import longest_match
 from .model import Model
 from .sampling import Dist, SamplingParams, dist, penalize, position_rng
 
@@ -72,14 +73,8 @@ class Prediction:
             self.cursor = 0
             return self.n_max, pred[:n].tolist()
         tail = np.asarray(context[-self.n_max:], dtype=np.int32)
-        ends = np.flatnonzero(pred == tail[-1])  # prediction positions holding the last output token
-        size = 1
-        while ends.size and size < len(tail):
-            ok = ends[ends >= size]
-            longer = ok[pred[ok - size] == tail[-1 - size]]
-            if not longer.size:
-                break
-            ends, size = longer, size + 1
+        # prediction positions holding the last output token, and of those the ones matching furthest back
+        ends, size = longest_match(pred, np.flatnonzero(pred == tail[-1]), tail)
         if not ends.size:
             return 0, []
         after = ends[ends + 1 >= self.cursor]
@@ -115,14 +110,8 @@ class NgramDrafter:
         """The longest n-gram match and up to n tokens that followed it, or NO_MATCH."""
         ctx = np.asarray(context, dtype=np.int32)
         last = len(ctx) - 1
-        ends = np.flatnonzero(ctx[:last] == ctx[last])  # earlier positions holding the last token
-        size = 1
-        while ends.size and size < self.n_max:  # grow the match backwards while some candidate still agrees
-            ok = ends[ends >= size]
-            longer = ok[ctx[ok - size] == ctx[last - size]]
-            if not longer.size:
-                break
-            ends, size = longer, size + 1
+        # earlier positions holding the last token, and of those the ones matching furthest back (n_max at most)
+        ends, size = longest_match(ctx, np.flatnonzero(ctx[:last] == ctx[last]), ctx[-self.n_max:])
         if not ends.size or size < self.n_min:
             return NO_MATCH
         start = ends[-1] + 1  # the latest of the longest matches
@@ -212,13 +201,27 @@ class ModelDrafter:
         return q.sample(position_rng(self.seed, position, 1)), q
 
 
+def allowed(grammar, tokens: Sequence[int]) -> int:
+    """How many leading tokens of a draft the grammar allows from its current state, and none after an
+    end-of-generation token (nothing follows it)."""
+    end = grammar.first_end(tokens)
+    return min(grammar.validate(tokens[:end + 1]), end + 1)
+
+
+def cut(grammar, lead: Sequence[int], tokens: list[int]) -> list[int]:
+    """tokens, a continuation drafted after lead (forced and guessed tokens), cut to what the grammar allows
+    after them (as they are without a grammar, or when there are none)."""
+    if grammar is None or not tokens:
+        return tokens
+    return tokens[:max(allowed(grammar, [*lead, *tokens]) - len(lead), 0)]
+
+
 def constrained(grammar, forced: list[int], rest: Draft, guessed: Sequence[int] = ()) -> Draft:
     """forced + guessed + rest, cut to what the grammar allows from its current state (forced and guessed
     drafts are point masses) and after an end-of-generation token (nothing follows it)."""
     lead = [*forced, *guessed]
     tokens = lead + rest.tokens
-    end = grammar.first_end(tokens)
-    ok = min(grammar.validate(tokens[:end + 1]), end + 1)
+    ok = allowed(grammar, tokens)
     q = None if rest.q is None else ([Dist.point(t) for t in lead] + rest.q)[:ok]
     return Draft(tokens[:ok], q, forced=min(len(forced), ok), predicted=min(rest.predicted, max(ok - len(lead), 0)))
 

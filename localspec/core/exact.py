@@ -14,8 +14,6 @@ import numpy as np
 
 from .model import Model, ModelConfig
 
-# Real text (prose, commands and code), cycled where a context is longer: the probe reads it at every depth.
-PROBE_TEXT = Path(__file__).with_name("probe_text.txt")
 PROBE_WIDTHS = range(2, 33)  # exact mode's physical batches hold 32 tokens: every verify or prefill is made of these
 
 
@@ -37,19 +35,20 @@ def probe_depths(n_ctx: int, width: int = PROBE_WIDTHS[-1]) -> tuple[int, ...]:
     return tuple(sorted({d for d in (64, 256, 1024, 4096, 16384, 65536) if d < deepest} | {max(deepest, 0)}))
 
 
-def _probe_tokens(m: Model, n: int) -> list[int]:
-    toks = m.tokenize(PROBE_TEXT.read_text(encoding="utf-8"))
+def _probe_tokens(m: Model, text: str, n: int) -> list[int]:
+    toks = m.tokenize(text)
     return (toks * (n // len(toks) + 1))[:n]
 
 
-def probe_exact(path: Path, cfg: ModelConfig, flash_attn: str, log=None) -> list[Cell]:
-    """Every width 2..32 at every depth of probe_depths(cfg.n_ctx), on real text: the cells whose batched
-    logits differ from single-token ones (empty: exact everywhere exact mode can be asked to be). Stops at the
-    first depth with a difference (that setting is out whatever the deeper ones say)."""
+def probe_exact(path: Path, cfg: ModelConfig, flash_attn: str, text: str, log=None) -> list[Cell]:
+    """Every width 2..32 at every depth of probe_depths(cfg.n_ctx), on real text (`text`: prose, commands and
+    code, cycled where the context is longer): the cells whose batched logits differ from single-token ones
+    (empty: exact everywhere exact mode can be asked to be). Stops at the first depth with a difference (that
+    setting is out whatever the deeper ones say)."""
     m = Model(path, replace(cfg, flash_attn=flash_attn, exact=True))
     try:
         widths = [w for w in PROBE_WIDTHS if w < m.n_ctx]
-        tokens = _probe_tokens(m, m.n_ctx)
+        tokens = _probe_tokens(m, text, m.n_ctx)
         for depth in probe_depths(m.n_ctx, widths[-1]):
             t = time.perf_counter()
             m.sync(tokens[:depth])

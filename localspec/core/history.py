@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .match import longest_match
+
 ANCHOR = 3  # tokens a place must share with the context's end to be a candidate
 CANDIDATES = 64  # latest places per anchor a lookup looks at: bounds its cost whatever the store holds
 MAX_MATCH = 32  # how far back a match is measured
@@ -152,13 +154,8 @@ class SuffixCache:
             ends = ends[buf[ends + 1] >= 0]  # places with something after them (the last cell is always -1)
             if not ends.size:
                 return NOTHING
-            tail = np.asarray(context[-MAX_MATCH:], dtype=np.int32)[::-1]  # the context backwards from its end
-            # how far back each place agrees with the context (a -1 separator never equals a token)
-            back = ends[:, None] - np.arange(len(tail))[None, :]
-            seen = np.where(back >= 0, buf[np.maximum(back, 0)], -1)
-            agree = np.cumprod(seen == tail[None, :], axis=1).sum(axis=1)
-            size = int(agree.max())
-            places = ends[agree == size]
+            # the places that agree furthest back with the context (a -1 separator never equals a token)
+            places, size = longest_match(buf, ends, np.asarray(context[-MAX_MATCH:], dtype=np.int32))
             support = len(places)
             tokens, shares = [], []
             for step in range(1, n + 1):

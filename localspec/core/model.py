@@ -15,22 +15,24 @@ import os
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Sequence
 
 import llama_cpp as L
 import numpy as np
 
 from .llama import (FLASH_ATTN, KV_TYPES, PREFILL_CHUNK, Cancelled, ContextFullError, DecodeError,  # noqa: F401
-                    ModelConfig, ModelError, _fields, _in_use, _interrupt_after, _last_log, _recent_log, _Users, amx_faults,
-                    check_gguf, default_threads, exact_matmuls, note_context, resolve_flash_attn, set_verbose,
-                    tiled_matmul_setting)
+                    ModelConfig, ModelError, _fields, _in_use, _interrupt_after, _last_log, _recent_log, _Users,
+                    default_threads, exact_matmuls, note_context, resolve_flash_attn, set_verbose, tiled_matmul_setting)
 
 
 class Model:
-    """A llama.cpp model with its own context and KV cache (sequence 0)."""
+    """A llama.cpp model with its own context and KV cache (sequence 0), from a GGUF file the caller has checked
+    (store.registry.check_gguf). Where this llama.cpp build's AMX kernels crash, the caller must pass
+    use_extra_bufts=False in cfg.kwargs (store.machine.amx_safe finds out and sets it; load() does so)."""
 
     def __init__(self, path: str | os.PathLike, cfg: ModelConfig = ModelConfig(), *, vocab_only: bool = False):
-        self.path = check_gguf(path)
+        self.path = Path(path).expanduser()
         self.cfg = cfg
         self.seqs: list[Seq] = []
         self.batcher = None  # with concurrent requests, the engine's batch.Batcher: decodes join others'
@@ -43,8 +45,6 @@ class Model:
         mp.vocab_only = vocab_only
         if cfg.exact:
             mp.use_extra_bufts = False  # no CPU weight repacking: batched logits == single-token logits
-        elif not vocab_only and "use_extra_bufts" not in cfg.kwargs and amx_faults(self.path):
-            mp.use_extra_bufts = False  # llama.cpp's AMX kernels crash this build (amx_faults says why)
         cp = L.llama_context_default_params()
         threads = cfg.n_threads or default_threads()
         # Concurrent requests (n_seq > 1) each get a sequence of n_ctx positions, plus sequence 0 for the
@@ -73,8 +73,8 @@ class Model:
             mp.progress_callback = stop = L.llama_progress_callback(lambda progress, data: not hit)  # noqa: F841
             self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
-            raise ModelError(f"llama.cpp could not load {self.path}: the file may be truncated or corrupt, "
-                             f"or its architecture unsupported by this llama.cpp{_last_log()}")
+            raise ModelError(f"llama.cpp could not load {self.path}: the file may be missing, not GGUF, truncated or "
+                             f"corrupt, or its architecture unsupported by this llama.cpp{_last_log()}")
         self._vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self._piece_tls = threading.local()  # a piece buffer per thread: the server's event loop reads pieces too
@@ -312,9 +312,9 @@ class Seq:
     """One sequence of a Model's KV cache: the exact token list it holds (positions 0..len-1) and the three
     operations speculative decoding needs: `decode` a run of tokens asking logits only for chosen rows,
     `truncate` back to a prefix (llama_memory_seq_rm), and `sync` to a new prompt reusing the common prefix.
-    Everything else (the vocabulary, n_batch, ...) is the model's. With concurrent requests (ModelConfig.n_seq)
-    each request decodes in its own sequence, and its decodes join the others' in one llama_decode
-    (batch.Batcher)."""
+    Of its model it offers n_vocab, is_eog and check_open (what the loop and a drafter read); everything else (the
+    vocabulary, n_batch, ...) is seq.model's. With concurrent requests (ModelConfig.n_seq) each request decodes
+    in its own sequence, and its decodes join the others' in one llama_decode (batch.Batcher)."""
 
     def __init__(self, model: Model, seq_id: int, n_ctx: int):
         self.model, self.id, self.n_ctx = model, seq_id, n_ctx
@@ -324,9 +324,8 @@ class Seq:
         self.scope = ""  # whose requests it holds (an API key's scope): it borrows only from its own scope's
         self.prompt_cache = None  # the engine's prefix.PrefixCache while the request it holds may use it
         self.last_restore: tuple[int, str] = (0, "")  # what the latest sync restored from it: (tokens, tier)
-
-    def __getattr__(self, name: str):
-        return getattr(self.model, name)
+        # of its model, what the loop and a drafter ask of the sequence they decode in
+        self.n_vocab, self.is_eog, self.check_open = model.n_vocab, model.is_eog, model.check_open
 
     def decode(self, tokens: Sequence[int], *, logits: str = "last", prefill: int = 0,
                cancel=None) -> np.ndarray | None:

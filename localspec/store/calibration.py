@@ -11,9 +11,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..core.costs import BATCH_SEQS, Costs, measure, measure_batch, plan
-from ..core.llama import keep, machine_key, read_kept, system_info
+from ..core.llama import system_info
 from ..core.exact import Cell, describe, probe_depths, probe_exact
 from ..core.model import Model, ModelConfig, ModelError, default_threads, tiled_matmul_setting
+from .machine import keep, machine_key, read_kept
+
+# Real text (prose, commands and code), cycled where a context is longer: the exact probe reads it at every depth.
+PROBE_TEXT = Path(__file__).with_name("probe_text.txt")
 
 FORMAT = 9  # bump when the cached cost files change shape or how they are measured
 PROBE_FORMAT = 2  # bump when what the exact probe covers changes: older verdicts are then not trusted
@@ -97,7 +101,7 @@ def exact_flash_attn(path: Path, cfg: ModelConfig, cache_dir: Path, *, force: bo
                     f"every verify width at {len(probe_depths(cfg.n_ctx))} depths up to {cfg.n_ctx} tokens; once "
                     "for these settings, a minute or a few)")
             t = time.perf_counter()
-            cells = probe_exact(path, cfg, fa, log)
+            cells = probe_exact(path, cfg, fa, PROBE_TEXT.read_text(encoding="utf-8"), log)
             if log:
                 log(f"  {'exact' if not cells else 'not exact'} with flash attention {fa} "
                     f"({time.perf_counter() - t:.0f} s)")

@@ -39,7 +39,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..core.defaults import home
+from .registry import home
 
 MAGIC = b"LSKV"
 FORMAT = 1  # bump when a file's layout changes (it is in the fingerprint too: a new format, a new folder)
@@ -482,7 +482,8 @@ def fingerprint(model) -> tuple[str, dict]:
     it for people. n_threads and n_seq are left out: they do not change the bytes."""
     import llama_cpp as L
 
-    from ..core.llama import cpu_name, system_info, tiled_matmul_setting
+    from ..core.llama import system_info, tiled_matmul_setting
+    from .machine import cpu_name
 
     cfg = model.cfg
     settings = {"n_ctx": model.n_ctx, "type_k": cfg.type_k, "type_v": cfg.type_v, "flash_attn": model.flash_attn,

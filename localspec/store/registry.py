@@ -29,12 +29,18 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from ..core.defaults import DRAFTERS, home  # noqa: F401 - home is read from here too
+from ..core.defaults import DRAFTERS
 from ..core.errors import LocalspecError
+from ..core.llama import ModelError
 
 # Installed wheels carry models.toml inside the package; a source checkout has it at the repository root.
 SHIPPED = next(p for p in (Path(__file__).parents[1] / "models.toml", Path(__file__).parents[2] / "models.toml")
                if p.is_file())
+
+
+def home() -> Path:
+    """Where localspec keeps models and calibration data: $LOCALSPEC_HOME or ~/.cache/localspec."""
+    return Path(os.environ.get("LOCALSPEC_HOME") or "~/.cache/localspec").expanduser()
 
 
 class RegistryError(LocalspecError):
@@ -445,11 +451,24 @@ def name_hint(text: str) -> str:
     return ""
 
 
-def check_model_path(path) -> Path:
-    """core's check of a GGUF path (exists, a file, GGUF magic), naming how to use a models.toml name that was
-    passed as a path."""
-    from ..core.model import ModelError, check_gguf
+def check_gguf(path: str | os.PathLike) -> Path:
+    """Fail early, with the fix, on paths llama.cpp would reject with a bare NULL."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelError(f"model file not found: {p}")
+    if not p.is_file():
+        raise ModelError(f"model path is not a file: {p}")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{p} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+                         "convert it with llama.cpp's convert_hf_to_gguf.py or download a .gguf build")
+    return p
 
+
+def check_model_path(path) -> Path:
+    """check_gguf's check of a GGUF path (exists, a file, GGUF magic), naming how to use a models.toml name that
+    was passed as a path."""
     try:
         return check_gguf(path)
     except ModelError as e:

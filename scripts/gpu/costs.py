@@ -32,6 +32,8 @@ def measure(a) -> None:
     t0 = time.perf_counter()
     import localspec
     from localspec.core import costs as calibrate
+    from localspec.core.llama import system_info
+    from localspec.store.machine import cpu_name
 
     llm = localspec.load(target=a.target, draft=a.draft, n_gpu_layers=a.n_gpu_layers, n_threads=a.threads,
                          n_ctx=a.n_ctx, flash_attn=a.flash_attn, memory_check=False)
@@ -43,7 +45,7 @@ def measure(a) -> None:
     out = {**asdict(costs),
            "target_file": str(a.target), "draft_file": str(a.draft), "n_gpu_layers": a.n_gpu_layers,
            "threads": llm.target.n_threads, "flash_attn": [llm.target.flash_attn, llm.draft.flash_attn],
-           "n_ctx": llm.target.n_ctx, "system_info": calibrate.system_info(), "cpu": calibrate.cpu_name(),
+           "n_ctx": llm.target.n_ctx, "system_info": system_info(), "cpu": cpu_name(),
            "machine": platform.node(), "seconds": {"load": round(t_load, 2), "calibration": round(t_cal, 2)}}
     if a.all_sizes:
         calibrate.SIZES = tuple(range(1, 34))  # plan() reads the module's sizes
