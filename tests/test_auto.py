@@ -1,5 +1,6 @@
 """The auto drafter's policy and the calibration, with scripted costs and acceptance (no timing asserted)."""
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from localspec.core.costs import Costs, measure, plan
 from localspec.store.calibration import load_or_measure
 from localspec.core.auto import CAP, NEWLINE, PUNCT, WORD, AutoDrafter, KindOdds, token_kinds
+from localspec.core.tuning import TUNING
 from localspec.core.drafters import Draft, NgramDrafter
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 24, 33)
@@ -198,9 +200,9 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting_though_its_rates_sti
     """The account of a request's drafts: each failed round's lost time raises the margin the next draft must
     clear, so auto stops betting on a text that defeats its estimates long before the rates learn it."""
     drafted = {}
-    for caution in (0.0, AutoDrafter.CAUTION):
+    for caution in (0.0, TUNING.caution):
         a = confident(auto(INTEL))
-        a.CAUTION = caution
+        a.tuning = replace(a.tuning, caution=caution)
         ctx = list(REPEATING)
         drafted[caution] = 0
         for i in range(60):
@@ -209,7 +211,7 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting_though_its_rates_sti
             # the target never writes what was guessed, but a token the context has seen: more guesses follow
             ctx.append(100 + ((d.tokens[0] if d.tokens else ctx[-1]) - 100 + 7) % 40)
         assert (a.bank < 0) == bool(drafted[caution])
-    assert drafted[0.0] == 60 and drafted[AutoDrafter.CAUTION] < 30
+    assert drafted[0.0] == 60 and drafted[TUNING.caution] < 30
 
 
 def test_the_account_prices_a_failed_draft_as_a_loss_at_temperature_above_zero():
@@ -731,3 +733,47 @@ def test_history_statistics_are_the_scopes_learned_across_its_requests():
     assert opened[0] and not opened[-1]
     assert {key[2] for key in store.learned.stats} == {True}  # learned at openings only
     assert auto(INTEL, history=other).propose(prompt, 16).tokens[:1] == [100]
+
+
+def test_choose_takes_the_fastest_candidate_and_on_a_tie_the_one_named_first():
+    from localspec.core.auto import Candidate, choose
+
+    plain = Candidate("none", 0, 30.0, 1.0, 1 / 30)
+    ngram = Candidate("ngram", 4, 45.0, 3.0, 3 / 45, cont=[1, 2, 3, 4])
+    model = Candidate("model", 4, 45.0, 3.0, 3 / 45)
+    assert choose(plain, None, ngram, None) is ngram
+    assert choose(plain, ngram, model) is ngram  # a tie keeps the earlier source
+    assert choose(plain, Candidate("history", 2, 29.9, 1.5, 0.05)) is plain
+    assert choose(plain) is plain
+
+
+@pytest.mark.parametrize("curve, wins", [(GPU, "ngram"), (CPU, "ngram"), (LINEAR, "none")])
+def test_which_source_wins_a_sure_copy_depends_on_what_a_verify_costs(curve, wins):
+    """The same n-gram guess, its rates learned sure: drafted where a verify of several tokens costs little more
+    than one (a GPU) or a few decodes (this kind of CPU), never where a verify costs a decode per token."""
+    a = confident(auto(curve))
+    d = a.propose(REPEATING, 16)
+    assert d.plan.source == wins and (len(d.tokens) > 1) == (wins != "none")
+
+
+def test_the_draft_model_wins_only_where_it_is_expected_faster_than_the_best_lookup():
+    """A draft model always right, no repeat in the context (no lookup has a candidate): it drafts on a GPU,
+    and on a curve where a verify costs a decode per token it is never tried (model_may_win)."""
+    fresh = list(range(1000, 1040))
+    for curve, used in ((GPU, True), (LINEAR, False)):
+        model = FakeModelDrafter(list(range(2000, 2016)))
+        a = auto(curve, model)
+        a.model_stats.update(16, 16)
+        d = a.propose(fresh, 16)
+        assert (d.plan.source == "model") == used and bool(model.calls) == used
+
+
+def test_every_tuned_number_says_what_it_trades_and_what_chose_it():
+    from localspec.core.tuning import table
+
+    rows = table()
+    assert len({name for name, *_ in rows}) == len(rows) >= 25
+    for name, value, trades, chosen_by in rows:
+        assert value is not None and trades.strip() and chosen_by.strip(), name
+    with pytest.raises(Exception):
+        TUNING.cap["prompt"] = 1.0  # read-only: a request cannot change another's
