@@ -240,7 +240,10 @@ def _measure(target: Model, draft: Model | None, reps: int, log, stop) -> Costs:
                 step = float(np.median(steps))
                 # the verify, and what the single step after it adds: that step runs a graph of another shape
                 # than the last (llama.cpp rebuilds it), which plain decoding never pays and a round after a draft does
-                ratios[i].append((step, (_time_decode(target, n) + _time_decode(target, 1) - step) / step))
+                # (at least half a step: a spike in the steps around it would otherwise price it at 0 or below,
+                # seen under load on a 2-core host, and auto would then draft at any price)
+                x = (_time_decode(target, n) + _time_decode(target, 1) - step) / step
+                ratios[i].append((step, max(x, 0.5)))
         # each batch against the steps just before it: a machine whose speed drifts while it is measured (other
         # work starting or stopping) moves both alike, so the curve's shape stays what a run will see. Not
         # quite alike: other work slows the memory-bound single step more than a batch (on a 2-core EPYC, passes
