@@ -184,6 +184,27 @@ def test_the_least_recently_used_go_first_across_models_and_the_total_stays_unde
     assert [n for n, _ in b.stored("")] == ["b1"]
 
 
+def test_the_folder_never_holds_more_than_the_cap_while_a_state_is_written(tmp_path, monkeypatch):
+    """Room is made before a state's file is written, not after: measured at the moment each file lands (the
+    bench's caps pass saw a 4,000-token state written over a full folder reach 324 MB under a 286 MB cap)."""
+    root = tmp_path / "kv"
+    size = HEADER.size + 4 * 200 + 50_000
+    cap = 2 * size + 1_000  # two states and meta.json
+    kv = kept(root, cap=cap)
+    peaks, replace = [], os.replace
+
+    def landing(src, dst):
+        replace(src, dst)
+        peaks.append(disk_bytes(root))
+
+    monkeypatch.setattr(prefix.os, "replace", landing)
+    for i in range(5):
+        kv.write("", f"s{i}", *state(i))
+        assert kv.flush()
+    assert len(peaks) >= 5 and max(peaks) <= cap, peaks
+    assert {p.stem for p in files(root)} == {"s3", "s4"}
+
+
 def test_a_state_larger_than_the_cap_is_not_written(tmp_path):
     kv = kept(tmp_path / "kv", cap=10_000)
     kv.write("", "aa", *state(1))

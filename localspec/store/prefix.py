@@ -310,8 +310,10 @@ class KvFiles:
                 self._pending_bytes -= len(w.blob)
                 self._in_flight = w
             try:
+                # room first (write() refused a state over the cap): the folder never holds more than the cap
+                evict(self.root, self.cap_bytes - (HEADER.size + w.tokens.nbytes + len(w.blob)))
                 self._write_file(w)
-                self._fit()
+                self._fit()  # (another process may have written meanwhile)
             except Exception as e:  # noqa: BLE001 - a state not kept on disk is a speed-up lost, never an error
                 self._say(f"could not keep a prompt state in {self.folder} ({getattr(e, 'strerror', None) or e}); "
                           "prompt states are kept in memory only until it can", key="write failed")
