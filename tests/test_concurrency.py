@@ -265,7 +265,7 @@ def solo_1024(smol_path):
 def test_many_clients_that_cancel_and_disconnect_leave_the_server_whole(busy_server, solo_1024):
     """A seeded stress: 32 requests from 8 threads, with random shared heads, lengths, streams left midway and
     clients that give up while waiting. No 5xx, no hang, every completed reply its text alone, and nothing held
-    once they are gone (the slow tier: 200 requests a run, longer heads, at parallel 2 and 4)."""
+    once they are gone (the slow tier: 100 requests a run, longer heads, at parallel 2 and 4)."""
     counts = stress(busy_server, solo_1024, 32, seed=busy_server.port, heads=(30, 80, 160))
     assert counts["read"] and counts["left streaming"] + counts["left waiting"]
     assert "Traceback" not in busy_server.output()
