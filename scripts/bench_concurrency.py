@@ -199,7 +199,10 @@ def main() -> None:
     print(f"{len(prompts)} prompts ({args.workload}), {args.max_tokens} tokens each, {threads} threads, "
           f"n_ctx {args.n_ctx} per request; server logs in {log}", file=sys.stderr)
     ours = [sys.executable, "-m", "localspec", "serve", "--target", str(target), "--draft", str(draft),
-            "--n-ctx", str(args.n_ctx), "--threads", str(threads), "--flash-attn", "off", "--queue-size", "64"]
+            "--n-ctx", str(args.n_ctx), "--threads", str(threads), "--flash-attn", "off", "--queue-size", "64",
+            # batching measured, not the prompt cache: with it, every server after the first would restore the
+            # prompts the first one kept on disk (the peer keeps nothing across processes)
+            "--no-prompt-cache"]
     results: dict[str, dict[int, dict]] = {}
 
     def measure(name: str, cmd: list[str], port: int, c: int) -> None:
