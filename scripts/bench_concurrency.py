@@ -75,29 +75,29 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise SystemExit("server did not come up")
 
 
-def complete(port: int, prompt: str, max_tokens: int) -> dict:
-    """One streamed /v1/completions request: its times and tokens."""
+def complete(port: int, prompt: str | list[int], max_tokens: int, timeout: float = 900) -> dict:
+    """One streamed /v1/completions request (prompt: text or token ids): its time to first token, its seconds
+    and tokens, and what its chunks carried last of `usage`, llama-server's `timings` and localspec's stats."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    first, chunks, usage = None, 0, None
-    with urllib.request.urlopen(req, timeout=900) as r:
+    first, chunks, carried = None, 0, {}
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         for line in r:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             d = json.loads(line[6:])
-            if d.get("usage"):
-                usage = d["usage"]
+            carried |= {k: d[k] for k in ("usage", "timings", "localspec") if d.get(k)}
             if d.get("choices") and d["choices"][0].get("text"):
                 chunks += 1
                 if first is None:
                     first = time.perf_counter()
     end = time.perf_counter()
-    tokens = usage["completion_tokens"] if usage else chunks
-    return {"ttft": (first or end) - t0, "seconds": end - t0, "tokens": tokens}
+    tokens = carried["usage"]["completion_tokens"] if "usage" in carried else chunks
+    return {"ttft": (first or end) - t0, "seconds": end - t0, "tokens": tokens, **carried}
 
 
 def run_clients(port: int, prompts: list[str], clients: int, max_tokens: int) -> dict:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import atexit
 import contextlib
 import hashlib
 import json
@@ -57,10 +56,8 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -69,7 +66,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_concurrency import free_port, wait_ready  # noqa: E402
+from bench_concurrency import complete, free_port, wait_ready  # noqa: E402
+
+from localspec.store import registry  # noqa: E402
 
 KINDS = ("agent", "document", "conversation")
 SYSTEMS = ("ours", "llama-server", "llamacpp-ram", "llamacpp-disk")
@@ -261,31 +260,18 @@ class Server:
             raise
 
     def request(self, ids: list[int], max_tokens: int) -> dict:
-        body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        t0 = time.perf_counter()
-        first, out = None, {}
-        with urllib.request.urlopen(req, timeout=1800) as r:
-            for line in r:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                d = json.loads(line[6:])
-                if d.get("choices") and d["choices"][0].get("text") and first is None:
-                    first = time.perf_counter()
-                if d.get("usage"):
-                    u = d["usage"]
-                    out |= {"prompt_tokens": u.get("prompt_tokens"),
-                            "cached": (u.get("prompt_tokens_details") or {}).get("cached_tokens")}
-                if d.get("timings"):  # llama-server's: tokens its cache held (slot or --cache-ram)
-                    out["cached"] = d["timings"].get("cache_n", out.get("cached"))
-                if d.get("localspec"):  # ours: where a restored state came from
-                    s = d["localspec"]
-                    out["tier"] = (s.get("prompt_restored_from") or ("kept" if s.get("prompt_reused") else ""))
-        end = time.perf_counter()
-        return {"ttft": (first or end) - t0, "seconds": end - t0, **out}
+        r = complete(self.port, ids, max_tokens, timeout=1800)
+        out = {"ttft": r["ttft"], "seconds": r["seconds"]}
+        if r.get("usage"):
+            u = r["usage"]
+            out |= {"prompt_tokens": u.get("prompt_tokens"),
+                    "cached": (u.get("prompt_tokens_details") or {}).get("cached_tokens")}
+        if r.get("timings"):  # llama-server's: tokens its cache held (slot or --cache-ram)
+            out["cached"] = r["timings"].get("cache_n", out.get("cached"))
+        if r.get("localspec"):  # ours: where a restored state came from
+            s = r["localspec"]
+            out["tier"] = (s.get("prompt_restored_from") or ("kept" if s.get("prompt_reused") else ""))
+        return out
 
     @property
     def pid(self) -> int:
@@ -488,21 +474,6 @@ def caps(system: System, prompts: list[list[int]], again: list[int], kv: Path, m
 
 
 # ---- the run ----
-def bench_home() -> Path:
-    """A LOCALSPEC_HOME of our own: the prompt cache starts empty; models and measurements are the real home's."""
-    from localspec.store import registry
-
-    real = registry.home()
-    home = Path(tempfile.mkdtemp(prefix="localspec-bench-prefix-"))
-    for name in ("models", "calibration"):
-        (real / name).mkdir(parents=True, exist_ok=True)
-        (home / name).symlink_to(real / name, target_is_directory=True)
-    if (real / "verified.json").is_file():
-        shutil.copy(real / "verified.json", home / "verified.json")
-    atexit.register(shutil.rmtree, home, ignore_errors=True)
-    return home
-
-
 def machine() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -570,7 +541,7 @@ def main() -> None:
     if "llama-server" in systems and peer is None:
         peer = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_server.sh"), sys.executable],
                               check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    home = bench_home()
+    home = registry.scratch_home("localspec-bench-prefix-")
     os.environ["LOCALSPEC_HOME"] = str(home)
     kv = home / "kv"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))

@@ -21,25 +21,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 from localspec.store import registry  # noqa: E402
 
 
-def _session_home() -> None:
-    """The suite's own LOCALSPEC_HOME: what it keeps (prompt states, history) starts empty and stays out of the
-    user's; the models and this machine's measurements are the real home's (links), fetched and measured once."""
-    import atexit
-    import shutil
-    import tempfile
-
-    real = registry.home()
-    home = Path(tempfile.mkdtemp(prefix="localspec-tests-"))
-    for name in ("models", "calibration"):
-        (real / name).mkdir(parents=True, exist_ok=True)
-        (home / name).symlink_to(real / name, target_is_directory=True)
-    if (real / "verified.json").is_file():
-        shutil.copy(real / "verified.json", home / "verified.json")
-    os.environ["LOCALSPEC_HOME"] = str(home)
-    atexit.register(shutil.rmtree, home, ignore_errors=True)
-
-
-_session_home()
+# the suite's own LOCALSPEC_HOME: prompt states and history start empty; models and measurements are shared
+os.environ["LOCALSPEC_HOME"] = str(registry.scratch_home("localspec-tests-"))
 
 
 def _shipped(name: str) -> Path:

@@ -43,6 +43,24 @@ def home() -> Path:
     return Path(os.environ.get("LOCALSPEC_HOME") or "~/.cache/localspec").expanduser()
 
 
+def scratch_home(prefix: str) -> Path:
+    """A new LOCALSPEC_HOME of one's own (a temporary folder, removed at exit), for a test run or a benchmark:
+    what localspec keeps there (prompt states, history) starts empty and stays out of the user's, while the
+    models and this machine's measurements are the real home's (links), fetched and measured once."""
+    import atexit
+    import shutil
+
+    real = home()
+    scratch = Path(tempfile.mkdtemp(prefix=prefix))
+    for name in ("models", "calibration"):
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (scratch / name).symlink_to(real / name, target_is_directory=True)
+    if (real / "verified.json").is_file():
+        shutil.copy(real / "verified.json", scratch / "verified.json")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
+
+
 class RegistryError(LocalspecError):
     """models.toml is malformed, a name is unknown, or a file cannot be fetched or verified."""
 
