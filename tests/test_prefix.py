@@ -140,6 +140,42 @@ def test_the_ram_tier_stays_under_its_cap(smol_path, home):
         assert llm.generate([105] + prompts[5], max_tokens=2, temperature=0).stats.prompt_restored > 250
 
 
+def test_memory_stays_under_the_cap_while_a_state_is_taken_read_or_written(smol_path, home, monkeypatch):
+    """The bench's caps pass: memory grew one state past --prompt-cache-mb, the copy being taken (or read from
+    disk) before room was made, and states waiting for the disk writer held after RAM let them go. Room is now
+    made first, and pending writes count: at the moment each state is copied or read, the states in memory plus
+    it fit the cap."""
+    from localspec.core.model import Seq
+    from localspec.store.prefix import KvFiles
+
+    seen = []
+    with load(smol_path, prompt_cache_mb=30, prompt_cache_disk_mb=256) as llm:
+        cache = llm.prompt_cache
+        taken, read = Seq.state, KvFiles.read
+
+        def state(self):
+            blob = taken(self)
+            seen.append(("taken", cache._in_memory() + len(blob)))
+            return blob
+
+        def read_state(self, scope, name):
+            blob = read(self, scope, name)
+            seen.append(("read", cache._in_memory() + (len(blob) if blob is not None else 0)))
+            return blob
+
+        monkeypatch.setattr(Seq, "state", state)
+        monkeypatch.setattr(KvFiles, "read", read_state)
+        prompts = [prompt(llm, 300, f"Question {i}: who climbed the stairs?") for i in range(5)]
+        for i, p in enumerate(prompts):
+            llm.generate([100 + i] + p, max_tokens=2, temperature=0, drafter="none")
+        for keeper in cache._keepers.values():
+            keeper.flush()
+        llm.target.truncate(0)
+        assert llm.generate([100] + prompts[0], max_tokens=2, temperature=0).stats.prompt_restored_from == "disk"
+    assert [k for k, _ in seen].count("taken") >= 5 and "read" in [k for k, _ in seen]
+    assert max(n for _, n in seen) <= 30 * 2 ** 20, seen
+
+
 def test_parallel_slots_restore_from_the_cache(smol_path, home):
     """A request in a parallel slot restores its prompt from a state another slot's request kept."""
     with localspec.load(target=smol_path, draft=smol_path, n_ctx=1024, parallel=2, prompt_cache_disk_mb=0) as llm:

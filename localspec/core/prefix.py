@@ -153,6 +153,8 @@ class PrefixCache:
             blob, tier = e.blob, "ram"
         keeper = self._keepers.get(seq.model)
         if blob is None:  # read outside the lock: other requests' lookups do not wait for the disk
+            with self._lock:  # room first: what is read is held in memory, within the cap
+                self._fit(room=keeper.size(seq.scope, e.name) or 0)
             tier, blob = "disk", keeper.read(seq.scope, e.name)
             if blob is None:  # damaged or gone (the keeper said which): recomputed, never restored
                 with self._lock:
@@ -188,6 +190,8 @@ class PrefixCache:
             if e is not None and len(tokens) - n < MIN_NEW:
                 self._tick(e)  # what this request used stays
                 return False
+        with self._lock:  # room first: the copy is held in memory from the moment it is taken
+            self._fit(room=seq.state_size())
         blob = seq.state()  # a copy of the sequence's cells (milliseconds): before anything else changes them
         if blob is None:
             return False
@@ -214,14 +218,26 @@ class PrefixCache:
         if keeper is not None:
             keeper.forget(scope, e.name)
 
-    def _fit(self) -> None:
-        """The least recently used states out of RAM until the rest fit ram_bytes (to disk only, if kept there)."""
-        if self.ram_used <= self.ram_bytes:
+    def _in_memory(self) -> int:
+        """Bytes of states in memory: those RAM holds, and those still waiting to be written to disk (held by
+        the writer until then, whether RAM still holds them or not), each once."""
+        sizes = {id(e.blob): len(e.blob) for s in self._scopes.values() for e in s.entries.values()
+                 if e.blob is not None}
+        for keeper in self._keepers.values():
+            for blob in keeper.held() if keeper is not None else ():
+                sizes.setdefault(id(blob), len(blob))
+        return sum(sizes.values())
+
+    def _fit(self, room: int = 0) -> None:
+        """The least recently used states out of RAM (to disk only, if kept there) until the states in memory
+        and `room` more (a state about to be taken or read) fit ram_bytes: memory stays under the cap itself.
+        Writes still pending hold their states until written: evicting cannot free those."""
+        if self._in_memory() + room <= self.ram_bytes:
             return
         held = sorted(((e, s, model) for (model, _), s in self._scopes.items() for e in s.entries.values()
                        if e.blob is not None), key=lambda h: h[0].used)
         for e, s, model in held:
-            if self.ram_used <= self.ram_bytes:
+            if self._in_memory() + room <= self.ram_bytes:
                 break
             self.ram_used -= len(e.blob)
             e.blob = None

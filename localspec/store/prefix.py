@@ -269,6 +269,23 @@ class KvFiles:
         self.touch(scope, name)
         return blob
 
+    def size(self, scope: str, name: str) -> int | None:
+        """About the bytes a read() of the state holds in memory (its file's size), None where it is not there."""
+        with self._lock:
+            queued = self._queued(scope, name)
+        if queued:
+            return len(queued[-1].blob)
+        try:
+            return os.stat(self._path(scope, name)).st_size
+        except OSError:
+            return None
+
+    def held(self) -> list[bytearray]:
+        """The states waiting for the writer, or being written: in memory until written (the RAM tier counts
+        them where it no longer holds them itself)."""
+        with self._lock:
+            return [w.blob for w in self._pending] + ([self._in_flight.blob] if self._in_flight else [])
+
     # ---- writing ----
     def write(self, scope: str, name: str, tokens: np.ndarray, blob: bytearray) -> None:
         """Queue the state for the writer thread and return at once. `blob` is not copied: it must not change."""
