@@ -248,7 +248,8 @@ def _prompt_cache(target: Model, draft: Model | None, ram_mb: float | None, disk
         if m is not None:
             keeper = None
             if disk_mb:
-                from .store.prefix import KvFiles, fingerprint
+                from .store.prefix import KvFiles
+                from .store.prefix_key import fingerprint
 
                 folder, meta = fingerprint(m)
                 keeper = KvFiles(root, folder, int(disk_mb * 2 ** 20), meta)

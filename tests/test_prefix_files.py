@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from localspec.core.llama import ModelConfig
-from localspec.store import prefix, prefix_listing
+from localspec.store import prefix, prefix_key, prefix_listing
 from localspec.store.prefix import HEADER, KvFiles
 
 FP = "0123456789abcdef0123456789abcdef"
@@ -415,29 +415,29 @@ def test_fingerprint_changes_with_everything_that_shapes_the_bytes_and_only_that
     monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE", raising=False)
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + os.urandom(10 << 20))
-    base, meta = prefix.fingerprint(fake_model(path))
+    base, meta = prefix_key.fingerprint(fake_model(path))
     assert len(base) == 32 and meta["model"] == "m.gguf" and meta["settings"]["n_ctx"] == 4096
     assert set(meta["file"]) == {"size", "mtime_ns", "head_tail_sha256"}
     json.dumps(meta)
     same = [fake_model(path, n_threads=3), fake_model(path, n_seq=4)]
-    assert all(prefix.fingerprint(m)[0] == base for m in same)
+    assert all(prefix_key.fingerprint(m)[0] == base for m in same)
     differ = [fake_model(path, n_ctx=2048), fake_model(path, type_k="q8_0"), fake_model(path, type_v="q8_0"),
               fake_model(path, flash_attn="on"), fake_model(path, exact=True), fake_model(path, n_gpu_layers=99),
               fake_model(path, kwargs={"n_ubatch": 64})]
-    names = {prefix.fingerprint(m)[0] for m in differ}
+    names = {prefix_key.fingerprint(m)[0] for m in differ}
     assert len(names) == len(differ) and base not in names
     m = fake_model(path)
     m.extra_bufts = False
-    assert prefix.fingerprint(m)[0] != base
+    assert prefix_key.fingerprint(m)[0] != base
     monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
-    assert prefix.fingerprint(fake_model(path))[0] != base
+    assert prefix_key.fingerprint(fake_model(path))[0] != base
     monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE")
     with open(path, "r+b") as f:  # the same size, another byte in the last 4 MiB
         f.seek(-10, os.SEEK_END)
         f.write(b"x" * 10)
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, meta["file"]["mtime_ns"]))
-    assert prefix.fingerprint(fake_model(path))[0] != base
+    assert prefix_key.fingerprint(fake_model(path))[0] != base
 
 
 def test_fingerprint_uses_the_sha256_the_registry_verified(tmp_path, monkeypatch):
@@ -447,15 +447,15 @@ def test_fingerprint_uses_the_sha256_the_registry_verified(tmp_path, monkeypatch
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + os.urandom(1000))
     registry._remember(path, "ab" * 32)
-    assert prefix.file_identity(path) == {"sha256": "ab" * 32}
+    assert prefix_key.file_identity(path) == {"sha256": "ab" * 32}
     os.utime(path, ns=(1, 1))  # changed since: hashed again (head and tail)
-    assert "sha256" not in prefix.file_identity(path)
+    assert "sha256" not in prefix_key.file_identity(path)
 
 
 def test_fingerprint_of_a_real_model_file(smol_path, tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
-    name, meta = prefix.fingerprint(fake_model(smol_path, n_ctx=1024))
-    assert prefix.fingerprint(fake_model(smol_path, n_ctx=1024))[0] == name
+    name, meta = prefix_key.fingerprint(fake_model(smol_path, n_ctx=1024))
+    assert prefix_key.fingerprint(fake_model(smol_path, n_ctx=1024))[0] == name
     assert meta["model"] == smol_path.name and meta["file"]["size"] == smol_path.stat().st_size
     assert meta["build"]["state_seq_version"] >= 1
 
@@ -468,7 +468,7 @@ def test_cache_command_lists_and_clears(tmp_path, monkeypatch):
     path = tmp_path / "smol.gguf"
     path.write_bytes(b"GGUF" + os.urandom(1000))
     for m in (fake_model(path, n_ctx=2048), fake_model(path, exact=True)):
-        fp, meta = prefix.fingerprint(m)
+        fp, meta = prefix_key.fingerprint(m)
         kv = KvFiles(prefix.default_root(), fp, prefix.CAP_BYTES, meta)
         for i in range(2 if m.cfg.exact else 1):
             kv.write("", f"n{i}", *state(i, n_tokens=300 + i))

@@ -429,9 +429,8 @@ class Seq:
 
     def state_size(self) -> int:
         """The bytes state() would give now (llama_state_seq_get_size), without copying them."""
-        model = self.model
-        with model._ctx_lock:
-            return max(int(L.llama_state_seq_get_size(model._live_ctx(), self.id)), 0)
+        with self.model._ctx_lock:
+            return max(int(L.llama_state_seq_get_size(self.model._live_ctx(), self.id)), 0)
 
     def state(self) -> bytearray | None:
         """A copy of this sequence's KV state (llama_state_seq_get_data: its cells' positions and K/V rows, not
