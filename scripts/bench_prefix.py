@@ -510,6 +510,8 @@ def main() -> None:
     ap.add_argument("--cap-ram-mb", type=float, default=None, help="the caps pass's --prompt-cache-mb")
     ap.add_argument("--cap-disk-mb", type=float, default=None, help="the caps pass's --prompt-cache-disk-mb")
     ap.add_argument("--no-caps", action="store_true", help="skip the caps pass")
+    ap.add_argument("--no-cycles", action="store_true", help="skip the cold/warm/A-B/restart cycles (the no-match "
+                    "and caps passes alone)")
     ap.add_argument("--llama-server", default=None, help="the peer's binary (default: scripts/build_llama_server.sh's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -631,7 +633,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"info": info, "sizes": sizes, "kinds": kinds, "systems": systems,
                                                   "cycles": cycles, "no_match": nm, "caps": cap}, indent=1))
 
-    for n in sizes:
+    for n in [] if args.no_cycles else sizes:
         for k in kinds:
             a, b = pairs[k, n]
             for name in systems:
@@ -680,6 +682,8 @@ def report(info: dict, cycles: list[dict], nm: dict | None, cap: dict | None, si
         parts = []
         for n in sizes:
             rows = [c for c in cycles if c["system"] == name and c["size"] == n]
+            if not rows:
+                continue
             ab = max(c["ab"]["ttft"] / c["cold"]["ttft"] for c in rows)
             rs = max(c["restart"]["ttft"] / c["cold"]["ttft"] for c in rows)
             verdict = "" if n < 2000 else " (done)" if max(ab, rs) <= 0.1 else " (NOT done)"

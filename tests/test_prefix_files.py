@@ -40,6 +40,22 @@ def kept(root: Path, fp: str = FP, cap: int = 1 << 30, **kw) -> KvFiles:
     return kv
 
 
+def test_a_written_state_is_let_go_once_on_disk(tmp_path):
+    """The writer holds a state only until it is written: the RAM tier may have let it go meanwhile (the bench's
+    caps pass saw one state too many in memory while the writer thread waited for the next write)."""
+    import sys
+
+    kv = kept(tmp_path / "kv")
+    tokens, blob = state(1)
+    alone = sys.getrefcount(blob)
+    kv.write("", "aa", tokens, blob)
+    assert kv.flush() and kv.held() == []
+    assert sys.getrefcount(blob) == alone
+    got = kv.read("", "aa")
+    assert bytes(got) == bytes(blob) and sys.getrefcount(got) == alone  # a read is the caller's alone
+    kv.close()
+
+
 def test_written_states_are_listed_and_read_back_whole(tmp_path):
     kv = kept(tmp_path / "kv")
     a, b = state(1), state(2, n_tokens=129, n_bytes=10)
@@ -50,8 +66,8 @@ def test_written_states_are_listed_and_read_back_whole(tmp_path):
     assert [n for n, _ in kv.stored("key-0123abcd")] == ["bb"]
     assert kv.stored("other") == []
     got = kv.read("", "aa")
-    assert isinstance(got, bytearray) and got == a[1]
-    assert kv.read("key-0123abcd", "bb") == b[1]
+    assert not memoryview(got).readonly and bytes(got) == bytes(a[1])  # writable: llama.cpp is handed it
+    assert bytes(kv.read("key-0123abcd", "bb")) == bytes(b[1])
     assert kv.read("", "missing") is None and not kv.said
     model = tmp_path / "kv" / FP
     assert sorted(p.name for p in model.iterdir()) == ["default", "key-0123abcd", "meta.json"]
@@ -129,7 +145,7 @@ def test_a_damaged_file_is_not_used_said_once_and_removed(tmp_path, damage):
     assert len(kv.said) == 1 and "is damaged" in kv.said[0] and "removed and the prompt prefilled" in kv.said[0]
     assert kv.read("", "aa") is None and len(kv.said) == 1
     assert [n for n, _ in kv.stored("")] == ["bb"]
-    assert kv.read("", "bb") == state(4)[1]
+    assert bytes(kv.read("", "bb")) == bytes(state(4)[1])
     kv.close()
 
 
@@ -158,7 +174,7 @@ def test_a_state_written_for_another_fingerprint_is_never_read(tmp_path):
     assert kv.read("", "aa") is None
     assert kv.stored("") == []
     assert "another model or other settings" in kv.said[0]
-    assert other.read("", "aa") == blob  # its own folder's copy is untouched
+    assert bytes(other.read("", "aa")) == bytes(blob)  # its own folder's copy is untouched
 
 
 def test_the_least_recently_used_go_first_across_models_and_the_total_stays_under_the_cap(tmp_path):
@@ -176,7 +192,7 @@ def test_the_least_recently_used_go_first_across_models_and_the_total_stays_unde
     assert b.flush()
     assert {p.stem for p in files(root)} == {"a0", "b0", "b1"}
     assert disk_bytes(root) <= cap
-    assert a.read("", "a0") == state(0)[1]
+    assert bytes(a.read("", "a0")) == bytes(state(0)[1])
     a.write("", "a2", *state(10))
     assert a.flush()
     assert {p.stem for p in files(root)} == {"a0", "b1", "a2"}  # a0's read was a use too
@@ -259,7 +275,7 @@ def test_two_processes_writing_and_evicting_in_one_root_leave_every_file_whole_a
                 name.split("-")[1])
             r = np.random.default_rng(seed)
             assert tokens.tolist() == r.integers(0, 50000, int(r.integers(1, 300)), dtype=np.int32).tolist()
-            assert blob == r.bytes(int(r.integers(10_000, 120_000)))
+            assert bytes(blob) == r.bytes(int(r.integers(10_000, 120_000)))
         assert not kv.said
 
 
@@ -380,7 +396,7 @@ def test_a_state_waiting_for_the_writer_is_listed_and_read_from_memory(tmp_path)
         assert [n for n, _ in kv.stored("")] == ["aa"] and kv.read("", "bb") is None
         kv.write("", "bb", tokens, blob)
     assert kv.flush()
-    assert sorted(n for n, _ in kv.stored("")) == ["aa", "bb"] and kv.read("", "bb") == blob
+    assert sorted(n for n, _ in kv.stored("")) == ["aa", "bb"] and bytes(kv.read("", "bb")) == bytes(blob)
     kv.close()
 
 

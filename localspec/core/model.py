@@ -11,6 +11,7 @@ next decode of the same model.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import re
 import threading
@@ -432,16 +433,15 @@ class Seq:
         with self.model._ctx_lock:
             return max(int(L.llama_state_seq_get_size(self.model._live_ctx(), self.id)), 0)
 
-    def state(self) -> bytearray | None:
+    def state(self) -> mmap.mmap | None:
         """A copy of this sequence's KV state (llama_state_seq_get_data: its cells' positions and K/V rows, not
         the tokens), or None where llama.cpp gives none."""
         model = self.model
         with model._ctx_lock:
             ctx = model._live_ctx()
-            n = L.llama_state_seq_get_size(ctx, self.id)
-            if n <= 0:
+            if (n := L.llama_state_seq_get_size(ctx, self.id)) <= 0:
                 return None
-            blob = bytearray(n)
+            blob = mmap.mmap(-1, n)  # a mapping of its own: the memory goes back to the system once it is dropped
             got = L.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * n).from_buffer(blob), n, self.id)
         return blob if got == n else None
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
@@ -238,7 +239,7 @@ class KvFiles:
                 if got is None:
                     return None
                 tokens, length, crc_b = got
-                blob = bytearray(length)
+                blob = mmap.mmap(-1, length) if length else bytearray()  # (as Seq.state's: freed when dropped)
                 view, done = memoryview(blob), 0
                 while done < length:
                     n = f.readinto(view[done:])
@@ -338,6 +339,7 @@ class KvFiles:
                     self._in_flight = None
                     self._cancelled.discard((w.scope, w.name))
                     self._lock.notify_all()
+                del w  # not held while waiting for the next: the RAM tier may have let this state go
 
     def _folders(self, folder: Path) -> None:
         """The folders, made private (they hold users' prompts), and meta.json where it is missing."""
