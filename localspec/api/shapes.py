@@ -49,6 +49,13 @@ class _Logprobs:
         return out
 
 
+class Thought:
+    """A piece of a thinking span (reasoning.Spans), sent as reasoning_content and reasoning."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
 class Chat:
     """The chat.completion object, or its chat.completion.chunk stream, of one response.
 
@@ -61,8 +68,9 @@ class Chat:
     """
 
     def __init__(self, model: str, tool_format=None, tools=None, *, piece=None, include_usage: bool = False,
-                 stop: Sequence[str] = ()):
+                 stop: Sequence[str] = (), spans=None):
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model
+        self.spans = spans  # reasoning.Spans where the model thinks: its span is reasoning, not content
         self.parser = tool_format.parser(tools) if tool_format is not None else None
         self.lp, self.include_usage = _Logprobs(piece), include_usage
         self.stops = StopStrings(stop)
@@ -83,9 +91,20 @@ class Chat:
         return stats.to_dict() | ({"finish_reason": "stop"} if self.stopped else {})
 
     def _parts(self, text: str, end: bool = False) -> list:
-        """The engine's text as content and calls to send, up to a stop string in the content."""
+        """The engine's text as reasoning, content and calls to send, up to a stop string in the content (the
+        reasoning is neither parsed for calls nor cut by stop strings: they are the answer's)."""
         if self.stopped:
             return []
+        if self.spans is None:
+            return self._answer(text, end)
+        out = []
+        for thinking, piece in self.spans.feed(text) + (self.spans.finish() if end else []):
+            out += [Thought(piece)] if thinking else self._answer(piece)
+            if self.stopped:
+                return out
+        return out + (self._answer("", end=True) if end else [])
+
+    def _answer(self, text: str, end: bool = False) -> list:
         parts = self.parser.feed(text) if self.parser is not None else [text]
         if end and self.parser is not None:
             parts.append(self.parser.finish())
@@ -121,6 +140,9 @@ class Chat:
         calls = [c.to_openai() for c in self.calls]
         content = content.strip() if calls else content
         message = {"role": "assistant", "content": content or (None if calls else "")}
+        if self.spans is not None:  # both names: clients read one or the other
+            thought = "".join(p.text for p in parts if isinstance(p, Thought))
+            message["reasoning_content"] = message["reasoning"] = thought or None
         if calls:
             message["tool_calls"] = calls
         entries = self.lp.take()
@@ -141,7 +163,9 @@ class Chat:
     def _deltas(self, parts) -> list[dict]:
         out = []
         for p in parts:
-            if isinstance(p, str):
+            if isinstance(p, Thought):
+                out.append(self._chunk({"reasoning_content": p.text, "reasoning": p.text}))
+            elif isinstance(p, str):
                 if p:
                     out.append(self._chunk({"content": p}))
             else:

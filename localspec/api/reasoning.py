@@ -1,0 +1,102 @@
+"""Thinking spans: a reasoning model's `<think>...</think>` kept apart from its answer.
+
+Which markers a model uses is read from its chat template, not guessed from its output: a template that writes
+both `<think>` and `</think>` (Qwen3, DeepSeek-R1 distills, SmolLM3, GLM) has a span; one that writes neither has
+none, and its whole output is answer. A template may open the span itself, at the end of the prompt (R1
+distills' later templates, Qwen3 with thinking on): then the output starts inside it.
+
+The span is recognised once, where the output starts (after any whitespace), or from the prompt: after it closes
+everything is answer, so a literal `<think>` the answer writes (code about tags, a quote) stays answer. Text that
+may be the start of a marker is held until the next text says whether it is one; what a stream shows never has
+to be taken back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Markers:
+    open: str
+    close: str
+
+
+THINK = Markers("<think>", "</think>")
+
+
+def markers_of(template: str | None) -> Markers | None:
+    """The thinking markers a chat template writes, or None where it writes none (no reasoning span)."""
+    if template and THINK.open in template and THINK.close in template:
+        return THINK
+    return None
+
+
+def opens_in_prompt(prompt: str, markers: Markers) -> bool:
+    """Whether the rendered prompt leaves the span open (its last marker is an open one): the output starts
+    inside it."""
+    last_open, last_close = prompt.rfind(markers.open), prompt.rfind(markers.close)
+    return last_open > last_close and not prompt[last_open + len(markers.open):].strip()
+
+
+def _partial(text: str, marker: str) -> int:
+    """How many characters at the end of text could be the start of marker (0 if none)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class Spans:
+    """Generated text split into reasoning and answer as it streams: feed() returns (is_reasoning, text) pieces,
+    finish() what was held at the end."""
+
+    def __init__(self, markers: Markers, inside: bool = False):
+        self.markers = markers
+        self.state = "inside" if inside else "start"  # start -> inside -> after -> answer, or start -> answer
+        self.held = ""
+        self.reasoning_chars = 0
+
+    def feed(self, text: str) -> list[tuple[bool, str]]:
+        self.held += text
+        out: list[tuple[bool, str]] = []
+        m = self.markers
+        while self.held:
+            if self.state == "start":
+                s = self.held.lstrip()
+                if s.startswith(m.open):
+                    self.held, self.state = s[len(m.open):], "inside"
+                elif not s or m.open.startswith(s):
+                    break  # whitespace, or what may yet be the open marker: wait for more
+                else:
+                    self.state = "answer"  # no span: the answer is everything, whitespace and all
+            elif self.state == "inside":
+                i = self.held.find(m.close)
+                if i >= 0:
+                    out.append((True, self.held[:i]))
+                    self.held, self.state = self.held[i + len(m.close):], "after"
+                else:
+                    keep = _partial(self.held, m.close)
+                    out.append((True, self.held[:len(self.held) - keep]))
+                    self.held = self.held[len(self.held) - keep:]
+                    break
+            elif self.state == "after":  # the whitespace between the span and the answer is neither
+                s = self.held.lstrip()
+                self.held = s
+                if s:
+                    self.state = "answer"
+            else:
+                out.append((False, self.held))
+                self.held = ""
+        return self._count([(r, t) for r, t in out if t])
+
+    def finish(self) -> list[tuple[bool, str]]:
+        """What was held: an unclosed span's end is reasoning; text that only looked like an open marker is
+        answer."""
+        held, self.held = self.held, ""
+        if not held or self.state == "after":
+            return []
+        return self._count([(self.state == "inside", held)])
+
+    def _count(self, pieces: list[tuple[bool, str]]) -> list[tuple[bool, str]]:
+        self.reasoning_chars += sum(len(t) for r, t in pieces if r)
+        return pieces
