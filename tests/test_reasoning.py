@@ -1,6 +1,7 @@
 """Thinking spans (api/reasoning.py): tier 1, text only."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -107,3 +108,78 @@ def test_the_chat_shape_gives_the_span_under_both_names_and_the_answer_as_conten
         plain.add(ev)
     message = plain.response(_Stats())["choices"][0]["message"]
     assert message["content"] == text and "reasoning_content" not in message
+
+
+# a Qwen3-style template for SmolLM2's ChatML tokens: the template opens the span (thinking on), or writes it
+# empty and closed (enable_thinking false)
+THINKING = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+            "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+            "{%- else %}{{ '<think>\\n' }}{%- endif %}{%- endif %}")
+ASK = [{"role": "user", "content": "Is the sky blue? Answer in a word."}]
+
+
+@pytest.fixture
+def thinking_client(smol_engine, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from localspec.api.server import create_app
+
+    monkeypatch.setattr(smol_engine.target, "chat_template", lambda: THINKING)
+    with TestClient(create_app(smol_engine), base_url="http://127.0.0.1") as client:
+        yield client
+
+
+def _stream(client, body):
+    with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                if line.startswith("data: {") and '"choices":[{' in line.replace(" ", "")]
+
+
+def test_a_span_the_template_opens_is_reasoning_in_whole_and_streamed_replies(thinking_client):
+    body = {"messages": ASK, "max_tokens": 12, "temperature": 0}
+    r = thinking_client.post("/v1/chat/completions", json=body)
+    message = r.json()["choices"][0]["message"]
+    assert r.status_code == 200 and message["reasoning_content"] and message["reasoning"] == message["reasoning_content"]
+    assert message["content"] == ""  # 12 tokens do not close the span: all of it is thinking
+    deltas = _stream(thinking_client, body)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == ""
+
+
+@pytest.mark.parametrize("off", [{"reasoning_effort": "none"}, {"chat_template_kwargs": {"enable_thinking": False}}])
+def test_thinking_off_through_the_template(thinking_client, off):
+    body = {"messages": ASK, "max_tokens": 8, "temperature": 0}
+    message = thinking_client.post("/v1/chat/completions", json=body | off).json()["choices"][0]["message"]
+    assert message["content"] and message["reasoning_content"] is None and message["reasoning"] is None
+
+
+@pytest.mark.parametrize("field, value", [("reasoning_effort", "maximal"), ("chat_template_kwargs", ["x"]),
+                                          ("chat_template_kwargs", {"messages": []}),
+                                          ("chat_template_kwargs", {"not a name": 1})])
+def test_template_fields_a_request_cannot_use_are_a_400_naming_them(thinking_client, field, value):
+    r = thinking_client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(field)
+
+
+def test_thinking_that_the_template_cannot_turn_off_is_refused(smol_engine, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from localspec.api.server import create_app
+
+    monkeypatch.setattr(smol_engine.target, "chat_template", lambda: THINKING.replace("enable_thinking", "x_think"))
+    with TestClient(create_app(smol_engine), base_url="http://127.0.0.1") as client:
+        r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, "reasoning_effort": "none"})
+    assert r.status_code == 400 and "cannot turn its thinking off" in r.json()["error"]["message"]
+
+
+def test_a_model_without_a_span_answers_as_before(smol_engine):
+    from starlette.testclient import TestClient
+
+    from localspec.api.server import create_app
+
+    with TestClient(create_app(smol_engine), base_url="http://127.0.0.1") as client:
+        r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, "reasoning_effort": "none"})
+    message = r.json()["choices"][0]["message"]
+    assert r.status_code == 200 and message["content"] and "reasoning_content" not in message

@@ -12,6 +12,7 @@ to be taken back.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -100,3 +101,47 @@ class Spans:
     def _count(self, pieces: list[tuple[bool, str]]) -> list[tuple[bool, str]]:
         self.reasoning_chars += sum(len(t) for r, t in pieces if r)
         return pieces
+
+
+# ---- a chat request's fields that reach the template ----
+EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's reasoning_effort values, and "none"
+MAX_VARIABLES = 32
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+class FieldError(ValueError):
+    """A request field that cannot be honoured: its message, and the field (`param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def template_variables(body: dict, template: str | None, reserved: frozenset) -> dict:
+    """The variables a chat request gives its chat template: `chat_template_kwargs` (names that are no
+    identifier, or that would replace what every template is given, are refused), and `reasoning_effort`
+    "none" as `enable_thinking` false, which a template that thinks must read (else the request is refused:
+    the thinking could not be turned off). Other efforts change nothing yet: no budget is tied to them."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise FieldError("chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
+    if len(kwargs) > MAX_VARIABLES:
+        raise FieldError(f"chat_template_kwargs takes at most {MAX_VARIABLES} variables, got {len(kwargs)}",
+                         "chat_template_kwargs")
+    for name in kwargs:
+        if not _VARIABLE.fullmatch(name) or name in reserved:
+            raise FieldError(f"chat_template_kwargs: {name[:64]!r} is not a variable a request may set",
+                             f"chat_template_kwargs.{name[:64]}")
+    variables = dict(kwargs)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise FieldError(f"reasoning_effort must be one of {', '.join(EFFORTS)}", "reasoning_effort")
+        if effort == "none" and markers_of(template) is not None:
+            if "enable_thinking" not in (template or ""):
+                raise FieldError("reasoning_effort 'none': this model's chat template cannot turn its thinking "
+                                 "off (it reads no enable_thinking)", "reasoning_effort")
+            variables.setdefault("enable_thinking", False)
+    return variables

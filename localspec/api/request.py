@@ -11,7 +11,9 @@ import numpy as np
 
 from ..core.errors import LocalspecError
 from ..core.grammar import GrammarError, compile_spec
+from ..core.chat_template import RESERVED
 from ..core.request import make_request
+from .reasoning import FieldError, Markers, Spans, markers_of, template_variables
 from .tools import _NAME, ToolError, ToolFormat, _params, check_choice, check_tools, detect
 
 
@@ -38,12 +40,11 @@ _IGNORED = {"model", "stream", "user", "store", "metadata", "service_tier", "loc
             "prompt_cache_key", "prompt_cache_retention", "verbosity"}
 # honoured only at their no-op value (null always is one): anything else would be silently wrong here
 _NOOP = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "functions": ([],),
-         "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "reasoning_effort": (),
-         "web_search_options": ()}
+         "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "web_search_options": ()}
 _STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
 _EXTRAS = {"logprobs", "top_logprobs", "prediction", "stream_options"}  # parsed by extras()
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "functions", "function_call", "modalities",
-              "audio", "reasoning_effort", "web_search_options"} | _STRUCTURED
+              "audio", "reasoning_effort", "chat_template_kwargs", "web_search_options"} | _STRUCTURED
 _COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
 _KNOWN = _OPTIONS.keys() | _IGNORED | _NOOP.keys() | _CHAT_ONLY | _COMPLETION_ONLY | _EXTRAS
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
@@ -63,6 +64,13 @@ class ChatRequest:
     tool_format: ToolFormat | None = None  # set when the output is to be parsed for tool calls
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
     stop: tuple[str, ...] = ()  # with tool calls: stop strings end the content, not a call (openai_shapes.Chat)
+    variables: dict | None = None  # more template variables (chat_template_kwargs, reasoning_effort)
+    thinking: Markers | None = None  # the model's thinking markers: its span is reasoning, not content
+    thinking_open: bool = False  # the prompt opens the span: the output starts inside it
+
+    def spans(self) -> Spans | None:
+        """A new splitter of this request's output into reasoning and answer (None: the model has no span)."""
+        return Spans(self.thinking, self.thinking_open) if self.thinking is not None else None
 
 
 @dataclass
@@ -279,8 +287,14 @@ def parse_chat(body: dict, *, defaults: dict, n_ctx: int, template: str | None, 
     options, names = options | extra | more, names | extra_names | more_names
     check_options(options, names, constraint)
     options.setdefault("max_tokens", n_ctx)  # OpenAI: until the context is full
+    try:
+        variables = template_variables(body, template, RESERVED)
+    except FieldError as e:
+        raise ApiError(str(e), param=e.param) from None
+    thinking = markers_of(template)
+    # with tool calls parsed or a thinking span, stop strings end the content alone (shapes.Chat)
     return ChatRequest(messages, options, names, bool(body.get("stream")), tools, fmt, include_usage,
-                       content_stops(options) if fmt is not None else ())
+                       content_stops(options) if fmt is not None or thinking else (), variables, thinking)
 
 
 def content_stops(options: dict) -> tuple[str, ...]:

@@ -40,6 +40,7 @@ from .request import (ApiError, ChatRequest, CompletionRequest, bad_request, che
 from .http import (LOOPBACK, MAX_BODY, BodyBudget, Constraints, Cors, EventStream, HostCheck, ServeError,  # noqa: F401
                    bind, disconnected, json_400_protocol, read_body, response, sse)
 from .shapes import Chat, Completion, error
+from .reasoning import opens_in_prompt
 from .tools import for_template
 
 log = logging.getLogger("uvicorn.error")
@@ -159,7 +160,7 @@ class Worker:
     def _tokens(self, job: Job) -> list[int]:
         llm, req = self.engine, job.req
         if job.kind == "chat":
-            tokens = llm.chat_tokens(for_template(req.messages), tools=req.tools)
+            tokens = llm.chat_tokens(for_template(req.messages), tools=req.tools, variables=req.variables)
         else:
             tokens = llm.tokenize(req.prompt) if isinstance(req.prompt, str) else req.prompt
         if len(tokens) > llm.target.n_ctx:
@@ -184,8 +185,8 @@ class Worker:
         events = iter(stream)
         # with tool calls parsed, the stop strings end the content (openai_shapes.Chat): the stream ends at the
         # token that completes one, here, so that the reply's usage counts only the tokens it read
-        gate = Chat("", job.req.tool_format, job.req.tools, stop=job.req.stop) if job.kind == "chat" and \
-            job.req.stop else None
+        gate = Chat("", job.req.tool_format, job.req.tools, stop=job.req.stop, spans=job.req.spans()) \
+            if job.kind == "chat" and job.req.stop else None
         try:
             for ev in events:
                 job.put(("event", ev))
@@ -273,9 +274,16 @@ class App:
 
     def _parse_chat(self, raw: bytes):
         llm = self.engine
-        return parse_chat(self._decode(raw), defaults=self.defaults, n_ctx=llm.target.n_ctx,
-                          template=llm.target.chat_template(), token_of=llm.single_token,
-                          constraint=self.constraints)
+        req = parse_chat(self._decode(raw), defaults=self.defaults, n_ctx=llm.target.n_ctx,
+                         template=llm.target.chat_template(), token_of=llm.single_token,
+                         constraint=self.constraints)
+        if req.thinking is not None:  # does the prompt open the span? (the template's own generation prompt)
+            try:
+                prompt = llm.render_chat(for_template(req.messages), tools=req.tools, variables=req.variables)
+            except LocalspecError as e:
+                raise ApiError(str(e), param="messages") from None
+            req.thinking_open = opens_in_prompt(prompt, req.thinking)
+        return req
 
     def _parse_completion(self, raw: bytes):
         return parse_completion(self._decode(raw), defaults=self.defaults, n_vocab=self.engine.target.n_vocab,
@@ -321,7 +329,7 @@ class App:
         req, scope = await self._parsed(request, self._parse_chat)
         llm = self.engine
         shape = Chat(llm.name, req.tool_format, req.tools, piece=llm.target.piece, include_usage=req.include_usage,
-                     stop=req.stop)
+                     stop=req.stop, spans=req.spans())
         return await self._run(request, Job("chat", req, scope), shape, req.stream)
 
     async def completions(self, request: Request) -> Response:

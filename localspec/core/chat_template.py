@@ -41,10 +41,18 @@ def text_of(content) -> str | None:
     return None
 
 
+RESERVED = frozenset({"messages", "tools", "bos_token", "eos_token", "add_generation_prompt", "raise_exception",
+                      "strftime_now"})  # what render() gives every template: a caller's variables cannot replace it
+
+
 def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str = "", eos_token: str = "",
-           add_generation_prompt: bool = True, tools: Sequence[Mapping] | None = None) -> str:
+           add_generation_prompt: bool = True, tools: Sequence[Mapping] | None = None,
+           variables: Mapping | None = None) -> str:
     """The prompt text for a conversation (OpenAI-style messages: role and content; tool calls and results
-    too, where the template renders them), and the tools offered to the model (OpenAI `tools`)."""
+    too, where the template renders them), and the tools offered to the model (OpenAI `tools`); `variables`
+    are more names the template may read (`enable_thinking`: a request's chat_template_kwargs)."""
+    if variables and RESERVED & variables.keys():
+        raise ChatError(f"template variables cannot replace {', '.join(sorted(RESERVED & variables.keys()))}")
     if template is None:
         raise ChatError("this model has no chat template in its GGUF metadata; pass a pre-rendered prompt instead")
     if not messages:
@@ -56,7 +64,7 @@ def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str 
     env.filters["tojson"] = _tojson
     try:
         return env.from_string(template).render(
-            messages=[dict(m) for m in messages], bos_token=bos_token, eos_token=eos_token,
+            **(variables or {}), messages=[dict(m) for m in messages], bos_token=bos_token, eos_token=eos_token,
             add_generation_prompt=add_generation_prompt, raise_exception=_raise, tools=tools or None,
             strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     except ChatError:
@@ -67,17 +75,19 @@ def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str 
 
 def segments(template: str | None, messages: Sequence[Mapping], spellings: re.Pattern | None, *,
              bos_token: str = "", eos_token: str = "", add_generation_prompt: bool = True,
-             tools: Sequence[Mapping] | None = None) -> list[tuple[str, bool]]:
+             tools: Sequence[Mapping] | None = None, variables: Mapping | None = None) -> list[tuple[str, bool]]:
     """The rendered prompt as (text, is_markup) pieces: wherever the messages or tools spell a control token
     (`spellings` finds them: '<|im_start|>'), the spelling comes out as a piece of its own with is_markup
     False, to be tokenized as plain text; everything else is the template's output, markup and all.
 
-    Every string the template is given (message content, names, past tool calls, tool definitions, field
-    names) has each spelling swapped for a placeholder that the template cannot mistake for anything; after
-    rendering, each placeholder's spelling is put back. The spellings hold no character that JSON escapes,
-    so this holds whether a template prints the text as it is or through tojson, once or twice.
+    Every string the template is given (message content, names, past tool calls, tool definitions, a request's
+    template variables, field names) has each spelling swapped for a placeholder that the template cannot
+    mistake for anything; after rendering, each placeholder's spelling is put back. The spellings hold no
+    character that JSON escapes, so this holds whether a template prints the text as it is or through tojson,
+    once or twice.
     """
-    kw = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=add_generation_prompt, tools=tools)
+    kw = dict(bos_token=bos_token, eos_token=eos_token, add_generation_prompt=add_generation_prompt, tools=tools,
+              variables=variables)
     found: list[str] = []
     mark = f"\ue000{uuid.uuid4().hex}"  # a private-use character and a nonce: no message can contain it
 
@@ -91,12 +101,12 @@ def segments(template: str | None, messages: Sequence[Mapping], spellings: re.Pa
         return value
 
     try:
-        hidden = hide([messages, tools]) if spellings is not None else None
+        hidden = hide([messages, tools, dict(variables or {})]) if spellings is not None else None
     except RecursionError:
         raise ChatError("the messages or tools nest too deeply to render") from None
     if not found:
         return [(render(template, messages, **kw), True)]
-    parts = render(template, hidden[0], **(kw | {"tools": hidden[1]})).split(mark)
+    parts = render(template, hidden[0], **(kw | {"tools": hidden[1], "variables": hidden[2]})).split(mark)
     if len(parts) % 2 == 0 or not all(p.isdigit() and int(p) < len(found) for p in parts[1::2]) \
             or any(mark[1:].lower() in p.lower() for p in parts[::2]):
         raise ChatError("the chat template alters the text it is given, so control-token text in it cannot be "

@@ -108,13 +108,14 @@ class Engine:
                     eos_token=t.token_text(t.eos).decode(errors="replace") if t.eos >= 0 else "")
 
     def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                    tools: Sequence[dict] | None = None) -> str:
+                    tools: Sequence[dict] | None = None, variables: dict | None = None) -> str:
         from .chat_template import render
 
         return render(self.target.chat_template(), messages, add_generation_prompt=add_generation_prompt,
-                      tools=tools, **self._template_kwargs())
+                      tools=tools, variables=variables, **self._template_kwargs())
 
-    def chat_tokens(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None) -> list[int]:
+    def chat_tokens(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                    variables: dict | None = None) -> list[int]:
         """The prompt tokens of a conversation, rendered with the target's chat template.
 
         Message text is tokenized as plain text: a message (or a tool definition, a past tool call) that
@@ -126,7 +127,7 @@ class Engine:
 
         out = []
         for text, markup in segments(self.target.chat_template(), messages, self.target.control_spellings(),
-                                     tools=tools, **self._template_kwargs()):
+                                     tools=tools, variables=variables, **self._template_kwargs()):
             out += self.tokenize(text, add_special=False, parse_special=markup)
         return out
 
