@@ -55,6 +55,18 @@ def test_a_stream_never_takes_back_what_it_showed():
     assert s.reasoning_chars == 5
 
 
+def test_each_token_counts_in_its_span_markers_included():
+    s = Spans(THINK)
+    for text, drafted in [("<think>", False), ("a", True), ("b", True), ("</", False), ("think>", True),
+                          ("\n\n", False), ("Yes", True)]:
+        s.token(text, drafted)
+    assert s.counts == {"reasoning": {"tokens": 5, "from_draft": 3}, "answer": {"tokens": 2, "from_draft": 1}}
+    inside = Spans(THINK, inside=True)
+    for text in ["x", "</think>", "y"]:
+        inside.token(text)
+    assert inside.counts["reasoning"]["tokens"] == 2 and inside.counts["answer"]["tokens"] == 1
+
+
 def test_markers_come_from_the_template():
     qwen3 = "{%- if enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}{{ '<|im_start|>assistant\n' }}"
     assert markers_of(qwen3) == THINK
@@ -81,7 +93,7 @@ class _Stats:
 def _events(text: str, size: int = 3):
     from types import SimpleNamespace
 
-    return [SimpleNamespace(text=text[i:i + size], logprob=None, top_logprobs=None, token=0)
+    return [SimpleNamespace(text=text[i:i + size], logprob=None, top_logprobs=None, token=0, from_draft=False)
             for i in range(0, len(text), size)]
 
 
@@ -142,7 +154,10 @@ def test_a_span_the_template_opens_is_reasoning_in_whole_and_streamed_replies(th
     r = thinking_client.post("/v1/chat/completions", json=body)
     message = r.json()["choices"][0]["message"]
     assert r.status_code == 200 and message["reasoning_content"] and message["reasoning"] == message["reasoning_content"]
-    assert message["content"] == ""  # 12 tokens do not close the span: all of it is thinking
+    assert message["content"] == ""  # the span is never closed: all of the output is thinking
+    used = r.json()["usage"]
+    assert used["completion_tokens_details"]["reasoning_tokens"] == used["completion_tokens"] > 0
+    assert r.json()["localspec"]["spans"]["reasoning"]["tokens"] == used["completion_tokens"]
     deltas = _stream(thinking_client, body)
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == ""

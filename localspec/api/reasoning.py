@@ -56,6 +56,8 @@ class Spans:
         self.state = "inside" if inside else "start"  # start -> inside -> after -> answer, or start -> answer
         self.held = ""
         self.reasoning_chars = 0
+        # per span, the generated tokens and those of them drafted and accepted (token())
+        self.counts = {span: {"tokens": 0, "from_draft": 0} for span in ("reasoning", "answer")}
 
     def feed(self, text: str) -> list[tuple[bool, str]]:
         self.held += text
@@ -89,6 +91,17 @@ class Spans:
                 out.append((False, self.held))
                 self.held = ""
         return self._count([(r, t) for r, t in out if t])
+
+    def token(self, text: str, from_draft: bool = False) -> list[tuple[bool, str]]:
+        """feed() one generated token's text, counting the token in its span: a token is thinking where it
+        opens, continues or closes the span (its markers are the span's), answer otherwise."""
+        before = self.state
+        pieces = self.feed(text)
+        thinking = self.state == "inside" or (before in ("start", "inside") and self.state == "after")
+        counts = self.counts["reasoning" if thinking else "answer"]
+        counts["tokens"] += 1
+        counts["from_draft"] += bool(from_draft)
+        return pieces
 
     def finish(self) -> list[tuple[bool, str]]:
         """What was held: an unclosed span's end is reasoning; text that only looked like an open marker is

@@ -12,15 +12,18 @@ from typing import Callable, Iterator, Sequence
 from ..core.text import StopStrings
 
 
-def usage(stats) -> dict:
+def usage(stats, spans=None) -> dict:
     """OpenAI's usage; prediction tokens are counted as speculation sees them: accepted = drafted from the
-    prediction and accepted, rejected = drafted from it and rejected (verified by the model, then dropped)."""
+    prediction and accepted, rejected = drafted from it and rejected (verified by the model, then dropped).
+    With a thinking span, its tokens (markers included) are reasoning_tokens, as OpenAI counts them."""
+    details = {"accepted_prediction_tokens": stats.accepted_prediction,
+               "rejected_prediction_tokens": stats.drafted_prediction - stats.accepted_prediction}
+    if spans is not None:
+        details["reasoning_tokens"] = spans.counts["reasoning"]["tokens"]
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated,
             "total_tokens": stats.prompt_tokens + stats.generated,
             "prompt_tokens_details": {"cached_tokens": stats.prompt_reused},
-            "completion_tokens_details": {
-                "accepted_prediction_tokens": stats.accepted_prediction,
-                "rejected_prediction_tokens": stats.drafted_prediction - stats.accepted_prediction}}
+            "completion_tokens_details": details}
 
 
 def error(message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -88,9 +91,12 @@ class Chat:
         return "tool_calls" if self.calls and reason == "stop" else reason
 
     def _stats(self, stats) -> dict:
-        return stats.to_dict() | ({"finish_reason": "stop"} if self.stopped else {})
+        """The engine's stats, and with a thinking span the tokens of each span and how many of them were
+        drafted and accepted (speculation's worth per span)."""
+        spans = {"spans": self.spans.counts} if self.spans is not None else {}
+        return stats.to_dict() | ({"finish_reason": "stop"} if self.stopped else {}) | spans
 
-    def _parts(self, text: str, end: bool = False) -> list:
+    def _parts(self, text: str, end: bool = False, counted: bool = False, from_draft: bool = False) -> list:
         """The engine's text as reasoning, content and calls to send, up to a stop string in the content (the
         reasoning is neither parsed for calls nor cut by stop strings: they are the answer's)."""
         if self.stopped:
@@ -98,7 +104,8 @@ class Chat:
         if self.spans is None:
             return self._answer(text, end)
         out = []
-        for thinking, piece in self.spans.feed(text) + (self.spans.finish() if end else []):
+        fed = self.spans.token(text, from_draft) if counted else self.spans.feed(text)
+        for thinking, piece in fed + (self.spans.finish() if end else []):
             out += [Thought(piece)] if thinking else self._answer(piece)
             if self.stopped:
                 return out
@@ -131,7 +138,7 @@ class Chat:
         """One event of a whole (not streamed) response."""
         if not self.stopped:
             self.lp.add(ev)
-            self.parts += self._parts(ev.text)
+            self.parts += self._parts(ev.text, counted=True, from_draft=ev.from_draft)
 
     def response(self, stats) -> dict:
         """The chat.completion object of the events add()ed."""
@@ -149,7 +156,7 @@ class Chat:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": message, "logprobs": {"content": entries} if entries else None,
                              "finish_reason": self._finish(stats)}],
-                "usage": usage(stats), "localspec": self._stats(stats)}
+                "usage": usage(stats, self.spans), "localspec": self._stats(stats)}
 
     def _chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
         entries = self.lp.take()
@@ -177,9 +184,9 @@ class Chat:
         if self.stopped:
             return []
         self.lp.add(ev)
-        if not ev.text:
+        if not ev.text and self.spans is None:
             return []
-        return self._deltas(self._parts(ev.text))
+        return self._deltas(self._parts(ev.text, counted=True, from_draft=ev.from_draft))
 
     def final_chunks(self, stats) -> list[dict]:
         rest = self._deltas(self._parts("", end=True))
@@ -187,7 +194,7 @@ class Chat:
         if not self.include_usage:
             return rest + [done]
         return rest + [done, {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                              "model": self.model, "choices": [], "usage": usage(stats)}]
+                              "model": self.model, "choices": [], "usage": usage(stats, self.spans)}]
 
 
 class Completion:
