@@ -239,6 +239,8 @@ def test_a_request_whose_drafts_pay_keeps_the_plain_margin():
 class FakeGrammar:
     """Forces tokens 1, 2 everywhere and spells the rest of its forced bytes as token 3."""
 
+    span, copying = "", True  # no thinking span; structured output
+
     def forced(self):
         return [1, 2]
 

@@ -198,3 +198,170 @@ def test_a_model_without_a_span_answers_as_before(smol_engine):
         r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, "reasoning_effort": "none"})
     message = r.json()["choices"][0]["message"]
     assert r.status_code == 200 and message["content"] and "reasoning_content" not in message
+
+
+# ---- the budget, and the answer's grammar after the span (core/thinking.py through the engine and server) ----
+PROMPT = "<|im_start|>user\nIs the sky blue? Answer in a word.<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+def test_the_budget_forces_the_end_and_the_output_is_the_same_whatever_drafts_it(smol_engine):
+    """Exact mode: the text with speculation equals plain decoding's token for token, across the forced end."""
+    from localspec.core.thinking import Span
+
+    span = Span(inside=True, budget=6)
+    runs = {d: smol_engine.generate(PROMPT, max_tokens=24, temperature=0, drafter=d, span=span)
+            for d in ("none", "ngram", "model", "auto")}
+    plain = runs.pop("none")
+    end = smol_engine.tokenize(span.transition(), add_special=False)
+    assert plain.tokens[6:6 + len(end)] == end  # six thinking tokens, then the forced transition
+    assert "\n</think>\n\n" in plain.text
+    for name, r in runs.items():
+        assert r.tokens == plain.tokens, name
+
+
+def test_a_json_schema_holds_for_the_answer_after_the_span_not_for_the_thinking(smol_engine):
+    from localspec.core.thinking import Span
+
+    schema = {"type": "object", "properties": {"blue": {"type": "boolean"}}, "required": ["blue"]}
+    for drafter in ("none", "auto"):
+        r = smol_engine.generate(PROMPT, max_tokens=40, temperature=0, drafter=drafter, json_schema=schema,
+                                 span=Span(inside=True, budget=8))
+        thinking, _, answer = r.text.partition("</think>")
+        assert thinking.strip() and not thinking.lstrip().startswith("{")
+        assert isinstance(json.loads(answer)["blue"], bool), r.text
+
+
+@pytest.mark.parametrize("cap, asked, most", [(None, 5, 5), (3, 10, 3), (3, None, 3), (None, -1, None)])
+def test_a_request_budget_capped_by_the_server_counts_the_thinking_tokens(smol_engine, monkeypatch, cap, asked, most):
+    from starlette.testclient import TestClient
+
+    from localspec.api.server import create_app
+
+    monkeypatch.setattr(smol_engine.target, "chat_template", lambda: THINKING)
+    forced = smol_engine.tokenize("\n</think>\n\n", add_special=False)
+    # the forced tokens that are the span's: up to the one that completes its end marker
+    close = next(i + 1 for i in range(len(forced)) if "</think>" in smol_engine.detokenize(forced[:i + 1]))
+    body = {"messages": ASK, "max_tokens": 30, "temperature": 0} | ({"reasoning_budget": asked} if asked else {})
+    with TestClient(create_app(smol_engine, reasoning_budget=cap), base_url="http://127.0.0.1") as client:
+        r = client.post("/v1/chat/completions", json=body).json()
+        deltas = _stream(client, body)
+    used, message = r["usage"], r["choices"][0]["message"]
+    reasoning = used["completion_tokens_details"]["reasoning_tokens"]
+    if most is None:  # no limit: this model never closes the span it was opened
+        assert reasoning == used["completion_tokens"] == 30 and message["content"] == ""
+    else:
+        assert reasoning == most + close and message["content"], r
+        assert message["reasoning_content"] == message["reasoning"] and "</think>" not in message["content"]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == (message["reasoning_content"] or "")
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+
+
+@pytest.mark.parametrize("value", [-2, 1.5, "10", True])
+def test_a_budget_that_is_no_count_of_tokens_is_a_400(thinking_client, value):
+    r = thinking_client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, "reasoning_budget": value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_budget"
+
+
+# a thinking template that also offers tools (Hermes-style <tool_call>, as Qwen3's)
+THINKING_TOOLS = ("{%- if tools %}{{ '<|im_start|>system\\nYou may call one of these functions. Reply with '"
+                  "'<tool_call>{\"name\": NAME, \"arguments\": ARGS}</tool_call>.\\n' }}"
+                  "{%- for t in tools %}{{ t | tojson }}{{ '\\n' }}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
+                  + THINKING)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _extra(obj, name):
+    return (obj.model_extra or {}).get(name)
+
+
+def test_the_openai_client_reads_the_thinking_under_both_names_and_calls_a_tool_after_it(smol_engine, monkeypatch):
+    import openai
+    from starlette.testclient import TestClient
+
+    from localspec.api.server import create_app
+
+    monkeypatch.setattr(smol_engine.target, "chat_template", lambda: THINKING_TOOLS)
+    with TestClient(create_app(smol_engine, reasoning_budget=6), base_url="http://127.0.0.1") as http:
+        client = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
+        r = client.chat.completions.create(model="any", messages=ASK, max_tokens=30, temperature=0)
+        m = r.choices[0].message
+        assert _extra(m, "reasoning_content") and _extra(m, "reasoning") == _extra(m, "reasoning_content")
+        assert m.content and "</think>" not in m.content
+        assert r.usage.completion_tokens_details.reasoning_tokens > 0
+        chunks = list(client.chat.completions.create(model="any", messages=ASK, max_tokens=30, temperature=0,
+                                                     stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(_extra(d, "reasoning_content") or "" for d in deltas) == _extra(m, "reasoning_content")
+        assert "".join(_extra(d, "reasoning") or "" for d in deltas) == _extra(m, "reasoning")
+        assert "".join(d.content or "" for d in deltas) == m.content
+
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        r = client.chat.completions.create(model="any", messages=ask, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=80, temperature=0)
+        choice = r.choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert isinstance(json.loads(call.function.arguments)["city"], str)
+        assert _extra(choice.message, "reasoning_content")  # it thought first, then called
+
+
+def test_the_python_api_splits_the_thinking_and_keeps_its_budget(smol_engine, monkeypatch):
+    monkeypatch.setattr(smol_engine.target, "chat_template", lambda: THINKING)
+    r = smol_engine.create_chat_completion(ASK, max_tokens=30, temperature=0, reasoning_budget=4)
+    m, used = r["choices"][0]["message"], r["usage"]
+    assert m["reasoning_content"] == m["reasoning"] and m["content"]
+    forced = len(smol_engine.tokenize("\n</think>\n\n", add_special=False))
+    assert 4 < used["completion_tokens_details"]["reasoning_tokens"] <= 4 + forced
+    chunks = list(smol_engine.create_chat_completion(ASK, max_tokens=30, temperature=0, reasoning_budget=4, stream=True))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == m["reasoning_content"]
+    off = smol_engine.create_chat_completion(ASK, max_tokens=8, temperature=0, reasoning_effort="none")
+    assert off["choices"][0]["message"]["content"] and off["choices"][0]["message"]["reasoning_content"] is None
+
+
+def test_stats_count_each_span_apart(smol_engine):
+    from localspec.core.thinking import Span
+
+    r = smol_engine.generate(PROMPT, max_tokens=20, temperature=0, drafter="ngram", span=Span(inside=True, budget=5))
+    spans = r.stats.spans
+    assert set(spans) == {"thinking", "answer"}
+    assert spans["thinking"]["tokens"] + spans["answer"]["tokens"] == r.stats.generated
+    assert sum(p["drafted"] for p in spans.values()) == r.stats.drafted
+    assert sum(p["accepted"] for p in spans.values()) == r.stats.accepted
+    assert "thinking" in r.stats.line() and "answer" in r.stats.line()
+
+
+def test_the_bench_reports_each_span_apart(smol_engine, monkeypatch):
+    from localspec.apps import bench
+
+    monkeypatch.setattr(smol_engine.target, "chat_template", lambda: THINKING)
+    rows = bench.run(smol_engine, [{"id": "sky", "kind": "chat", "messages": ASK}], methods=("none", "ngram"),
+                     max_tokens=16)
+    spans = rows[0].runs["ngram"].spans
+    assert spans["thinking"]["tokens"] == 16 and spans["thinking"]["tps"] > 0  # this model never closes it
+    assert rows[0].runs["none"].spans["thinking"]["drafted"] == 0
+    assert "| thinking | " in bench.table(rows)
+
+
+def test_chat_folds_the_thinking_keeps_the_answer_and_think_commands(smol_engine, monkeypatch, capsys):
+    from localspec.apps.chat import Chat, Screen
+
+    monkeypatch.setattr(smol_engine.target, "chat_template", lambda: THINKING)
+    chat = Chat(smol_engine, {"max_tokens": 24, "temperature": 0, "drafter": "none"},
+                Screen(interactive=False, show_draft=False))
+    chat.handle("/think budget 4")
+    chat.handle("Is the sky blue? Answer in a word.")
+    out, err = capsys.readouterr()
+    reply = chat.conv.messages[-1]
+    assert reply["content"] and reply["reasoning_content"] and "</think>" not in reply["content"]
+    assert reply["reasoning_content"] not in out and reply["content"].strip() in out  # folded: only the answer
+    assert "thought for" in err and "thinking 4" not in out
+    chat.handle("/think show")
+    assert reply["reasoning_content"].strip() in capsys.readouterr().err
+    chat.handle("/think off")
+    chat.handle("And the grass?")
+    assert "reasoning_content" not in chat.conv.messages[-1] and chat.conv.messages[-1]["content"]
+    chat.handle("/think maybe")
+    assert "usage: /think" in capsys.readouterr().err

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..core.thinking import Span
+
 
 @dataclass(frozen=True)
 class Markers:
@@ -37,6 +39,26 @@ def opens_in_prompt(prompt: str, markers: Markers) -> bool:
     inside it."""
     last_open, last_close = prompt.rfind(markers.open), prompt.rfind(markers.close)
     return last_open > last_close and not prompt[last_open + len(markers.open):].strip()
+
+
+def span_for(llm, messages: list[dict], *, tools=None, variables: dict | None = None,
+             budget: int | None = None) -> Span | None:
+    """The thinking span of a chat request's reply (None where the model's template writes none): its markers,
+    whether the prompt the template renders opens it, and its budget."""
+    markers = markers_of(llm.target.chat_template())
+    if markers is None:
+        return None
+    inside = opens_in_prompt(llm.render_chat(messages, tools=tools, variables=variables), markers)
+    return Span(markers.open, markers.close, inside, budget)
+
+
+def split(text: str, span: Span | None) -> tuple[str | None, str]:
+    """A whole reply's (thinking, answer); thinking is None where there is no span."""
+    if span is None:
+        return None, text
+    s = Spans(Markers(span.open, span.close), span.inside)
+    pieces = s.feed(text) + s.finish()
+    return "".join(t for r, t in pieces if r), "".join(t for r, t in pieces if not r)
 
 
 def _partial(text: str, marker: str) -> int:
@@ -128,6 +150,17 @@ class FieldError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+def budget_of(body: dict, cap: int | None) -> int | None:
+    """A chat request's thinking budget: its `reasoning_budget` (the most thinking tokens before the end marker
+    is forced; -1 or absent: none of its own), never over the server's --reasoning-budget (`cap`, None: none)."""
+    b = body.get("reasoning_budget")
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < -1):
+        raise FieldError("reasoning_budget must be an integer: the most thinking tokens, or -1 for no limit",
+                         "reasoning_budget")
+    own = None if b is None or b == -1 else b
+    return own if cap is None else cap if own is None else min(own, cap)
 
 
 def template_variables(body: dict, template: str | None, reserved: frozenset) -> dict:

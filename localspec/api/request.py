@@ -44,7 +44,7 @@ _NOOP = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_b
 _STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
 _EXTRAS = {"logprobs", "top_logprobs", "prediction", "stream_options"}  # parsed by extras()
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "functions", "function_call", "modalities",
-              "audio", "reasoning_effort", "chat_template_kwargs", "web_search_options"} | _STRUCTURED
+              "audio", "reasoning_effort", "reasoning_budget", "chat_template_kwargs", "web_search_options"} | _STRUCTURED
 _COMPLETION_ONLY = {"prompt", "best_of", "echo", "suffix"}
 _KNOWN = _OPTIONS.keys() | _IGNORED | _NOOP.keys() | _CHAT_ONLY | _COMPLETION_ONLY | _EXTRAS
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit

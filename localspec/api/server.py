@@ -40,7 +40,7 @@ from .request import (ApiError, ChatRequest, CompletionRequest, bad_request, che
 from .http import (LOOPBACK, MAX_BODY, BodyBudget, Constraints, Cors, EventStream, HostCheck, ServeError,  # noqa: F401
                    bind, disconnected, json_400_protocol, read_body, response, sse)
 from .shapes import Chat, Completion, error
-from .reasoning import opens_in_prompt
+from .reasoning import FieldError, budget_of, span_for
 from .tools import for_template
 
 log = logging.getLogger("uvicorn.error")
@@ -229,8 +229,9 @@ class App:
     """The routes over one engine; `create_app` wraps it in Starlette."""
 
     def __init__(self, engine: Engine, *, api_key: str | Sequence[str] | None, queue_size: int, defaults: dict,
-                 body_timeout_s: float):
+                 body_timeout_s: float, reasoning_budget: int | None = None):
         self.engine, self.api_keys, self.body_timeout_s = engine, api_keys(api_key), body_timeout_s
+        self.reasoning_budget = reasoning_budget  # the most thinking tokens any request may have (None: no cap)
         self.defaults = engine.defaults | defaults
         self.worker = Worker(engine, queue_size)
         self.created = int(time.time())
@@ -273,16 +274,22 @@ class App:
         return body
 
     def _parse_chat(self, raw: bytes):
-        llm = self.engine
-        req = parse_chat(self._decode(raw), defaults=self.defaults, n_ctx=llm.target.n_ctx,
-                         template=llm.target.chat_template(), token_of=llm.single_token,
-                         constraint=self.constraints)
+        llm, body = self.engine, self._decode(raw)
+        req = parse_chat(body, defaults=self.defaults, n_ctx=llm.target.n_ctx, template=llm.target.chat_template(),
+                         token_of=llm.single_token, constraint=self.constraints)
+        try:
+            budget = budget_of(body, self.reasoning_budget)
+        except FieldError as e:
+            raise ApiError(str(e), param=e.param) from None
         if req.thinking is not None:  # does the prompt open the span? (the template's own generation prompt)
             try:
-                prompt = llm.render_chat(for_template(req.messages), tools=req.tools, variables=req.variables)
+                span = span_for(llm, for_template(req.messages), tools=req.tools, variables=req.variables,
+                                budget=budget)
             except LocalspecError as e:
                 raise ApiError(str(e), param="messages") from None
-            req.thinking_open = opens_in_prompt(prompt, req.thinking)
+            req.thinking_open = span.inside
+            # the engine holds a constraint (JSON Schema, tools) to the answer after the span, and the budget
+            req.options["span"] = span
         return req
 
     def _parse_completion(self, raw: bytes):
@@ -412,15 +419,17 @@ def api_keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
 
 def create_app(engine: Engine, *, api_key: str | Sequence[str] | None = None, cors: tuple[str, ...] = (),
                queue_size: int = 16, hosts: tuple[str, ...] = LOOPBACK, defaults: dict | None = None,
-               body_timeout_s: float = 30.0) -> Starlette:
+               body_timeout_s: float = 30.0, reasoning_budget: int | None = None) -> Starlette:
     """The ASGI app: /v1/models, /v1/chat/completions, /v1/completions, /health over one engine.
 
     hosts: the Host names answered when there is no api_key, and by /health always ('*': any; IP addresses
     always).
     defaults: generation options for requests that leave them out (over the engine's own).
+    reasoning_budget: the most thinking tokens a reasoning model may write before its span's end is forced (a
+    request's reasoning_budget may ask for fewer); None: no limit.
     """
     app = App(engine, api_key=api_key, queue_size=queue_size, defaults=defaults or {},
-              body_timeout_s=body_timeout_s)
+              body_timeout_s=body_timeout_s, reasoning_budget=reasoning_budget)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -462,7 +471,8 @@ class _Server(uvicorn.Server):
 
 def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | Sequence[str] | None = None,
           cors: tuple[str, ...] = (), queue_size: int = 16, allow_hosts: tuple[str, ...] = (),
-          defaults: dict | None = None, socks: list[socket.socket] | None = None) -> None:
+          defaults: dict | None = None, socks: list[socket.socket] | None = None,
+          reasoning_budget: int | None = None) -> None:
     """Serve until SIGINT/SIGTERM, which end the running and waiting generations with a 'shutting down' error.
 
     Requests whose Host header names another site are refused: every one without an api_key, those to /health
@@ -471,7 +481,7 @@ def serve(engine: Engine, *, host: str = "127.0.0.1", port: int = 8080, api_key:
     """
     socks = socks or bind(host, port)
     app = create_app(engine, api_key=api_key, cors=cors, queue_size=queue_size, defaults=defaults,
-                     hosts=(*LOOPBACK, host, *allow_hosts))
+                     hosts=(*LOOPBACK, host, *allow_hosts), reasoning_budget=reasoning_budget)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info",
                             http=json_400_protocol())
     if host not in LOOPBACK and not api_keys(api_key):

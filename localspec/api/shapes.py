@@ -255,16 +255,17 @@ def _read(stream, shape) -> Iterator:
             return
 
 
-def chat_completion(model: str, stream, tool_format=None, tools=None, piece=None, stop: Sequence[str] = ()) -> dict:
-    shape = Chat(model, tool_format, tools, piece=piece, stop=stop)
+def chat_completion(model: str, stream, tool_format=None, tools=None, piece=None, stop: Sequence[str] = (),
+                    spans=None) -> dict:
+    shape = Chat(model, tool_format, tools, piece=piece, stop=stop, spans=spans)
     for e in _read(stream, shape):
         shape.add(e)
     return shape.response(stream.stats)
 
 
 def chat_chunks(model: str, stream, tool_format=None, tools=None, piece=None,
-                include_usage: bool = False, stop: Sequence[str] = ()) -> Iterator[dict]:
-    shape = Chat(model, tool_format, tools, piece=piece, include_usage=include_usage, stop=stop)
+                include_usage: bool = False, stop: Sequence[str] = (), spans=None) -> Iterator[dict]:
+    shape = Chat(model, tool_format, tools, piece=piece, include_usage=include_usage, stop=stop, spans=spans)
     yield from shape.first_chunks()
     for e in _read(stream, shape):
         yield from shape.chunks(e)

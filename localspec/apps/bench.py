@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..api.reasoning import span_for
 from ..core.errors import LocalspecError
 from ..core.grammar import GrammarError
 from ..core.history import History, Learned
@@ -146,14 +147,15 @@ def load_peer(llm, n_ctx: int):
 
 def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: float = 0.0,
           seed: int | None = None, schema: dict | None = None, prediction: str | None = None,
-          trace: Callable[[dict], None] | None = None) -> Run:
+          trace: Callable[[dict], None] | None = None, span=None) -> Run:
     models = [m for m in (llm.target, llm.draft) if m is not None]
     for m in models:
         m.truncate(0)
     stream = llm.stream(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed,
                         drafter="auto" if method in ("auto-pred", "auto-hist") else method, json_schema=schema,
                         prediction=prediction if method == "auto-pred" else None, trace=trace,
-                        prompt_cache=False)  # each run prefills afresh, as the peers' do
+                        prompt_cache=False,  # each run prefills afresh, as the peers' do
+                        **({"span": span} if span is not None else {}))
     n, text, t_first = 0, [], None
     try:
         for ev in stream:
@@ -171,7 +173,10 @@ def _ours(llm, tokens: list[int], method: str, max_tokens: int, temperature: flo
                s.acceptance_rate if s.drafted else None, s.mean_accepted if s.drafted else None,
                1.0 - inside / wall if wall > 0 else None,
                prediction=(s.accepted_prediction, s.drafted_prediction - s.accepted_prediction)
-               if prediction is not None and method == "auto-pred" else None)
+               if prediction is not None and method == "auto-pred" else None,
+               spans={k: {"tps": p["tokens"] / p["seconds"] if p["seconds"] > 0 else 0.0, "tokens": p["tokens"],
+                          "drafted": p["drafted"], "accepted": p["accepted"]} for k, p in s.spans.items()}
+               if s.spans else None)
 
 
 
@@ -248,6 +253,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     if llm.draft is None and (need := [m for m in methods if m in NEED_DRAFT]):
         raise BenchError(f"method {need[0]!r} needs a draft model: load one (--draft) or leave it out of --methods")
     prompt_tokens = [llm.chat_tokens(p["messages"]) for p in prompts]
+    spans = [span_for(llm, p["messages"]) for p in prompts]  # a reasoning model's: each span measured apart
     peer = None
     if any(m in PEERS for m in methods):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -258,7 +264,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     rows, earlier = [], []  # earlier: (prompt tokens, plain output) of the prompts before, for auto-hist
     learned = Learned()  # what auto-hist learned of drafting from the history, carried on as a scope's is
     own_history = llm.history
-    for p, tokens in zip(prompts, prompt_tokens):
+    for p, tokens, span in zip(prompts, prompt_tokens, spans):
         if p["id"] in kept:
             rows.append(kept[p["id"]])
             earlier.append((tokens, llm.tokenize(kept[p["id"]].runs["none"].text, add_special=False,
@@ -278,7 +284,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
                     llm.history = _history(earlier, learned) if m == "auto-hist" else None  # its own run is not kept
                     try:
                         r = _ours(llm, tokens, m, max_tokens, temperature, seed, schema, p.get("prediction"),
-                                  rounds.append)
+                                  rounds.append, span)
                     finally:
                         llm.history = own_history
                     r.within = within_run(rounds)

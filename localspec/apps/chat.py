@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import os
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable
 
 from ..core.chat_template import ChatError
 from ..core.engine import Engine
 from ..core.errors import LocalspecError
 from ..core.request import Request, make_request
+from ..core.thinking import Span
+from ..api.reasoning import Spans, markers_of, span_for
+from .terminal import Lines, Prompt, Screen
 from .conversation import (plain, DoesNotFit, drop_oldest_turns, Conversation, Totals, stats_line)
 
-PROMPT, MORE = ">>> ", "... "
-DIM, DRAFT, WARN, RESET = "\x1b[2m", "\x1b[32m", "\x1b[33m", "\x1b[0m"
 
 HELP = """\
 /help              this help
@@ -34,6 +34,9 @@ HELP = """\
                    (k is the most draft tokens per round; under the auto drafter, its upper bound;
                    json_schema FILE makes every reply valid JSON for that schema, off frees them)
 /draft on|off      colour the tokens that came from the draft
+/think on|off      a reasoning model: let it think before it answers, or not (where its template can say so)
+/think budget N|off  at most N thinking tokens per reply (then its end is forced and it answers)
+/think show        unfold the last reply's thinking (also Ctrl-O at the prompt); shown folded, dimmed
 /save FILE         write the conversation as JSON (OpenAI messages; turns dropped from the context
                    are kept, marked "dropped": leave those out to send the file to an OpenAI API)
 /load FILE         read a conversation written by /save
@@ -102,120 +105,6 @@ def _show(key: str, value) -> str:
     return "default" if value is None else str(value)
 
 
-# ---- conversation state ----
-def _colour(stream: TextIO) -> bool:
-    return stream.isatty() and not os.environ.get("NO_COLOR")
-
-
-class Screen:
-    """Replies go to stdout; notes (stats, notices, hints) too in a terminal, else to stderr."""
-
-    def __init__(self, *, interactive: bool, show_draft: bool):
-        self.interactive, self.show_draft = interactive, show_draft
-        self.out, self.notes = sys.stdout, sys.stdout if interactive else sys.stderr
-        self.colour, self.notes_colour = _colour(self.out), _colour(self.notes)
-
-    def piece(self, text: str, from_draft: bool) -> None:
-        if text and from_draft and self.show_draft and self.colour:
-            text = DRAFT + text + RESET
-        self.out.write(text)
-        self.out.flush()
-
-    def end_reply(self, text: str) -> None:
-        if not text.endswith("\n"):
-            self.out.write("\n")
-        self.out.flush()
-
-    def note(self, text: str, style: str = DIM) -> None:
-        print(style + text + RESET if style and self.notes_colour else text, file=self.notes, flush=True)
-
-    def hint(self, text: str) -> None:
-        self.note(text, WARN)
-
-
-class Prompt:
-    """Interactive input: prompt_toolkit line editing, history under LOCALSPEC_HOME, multi-line messages."""
-
-    def __init__(self, history: Path):
-        from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import FileHistory
-        from prompt_toolkit.key_binding import KeyBindings
-
-        kb = KeyBindings()
-
-        @kb.add("enter")
-        def _enter(event):
-            buf = event.current_buffer
-            if buf.document.text_before_cursor.endswith("\\"):  # a trailing backslash continues the message
-                buf.delete_before_cursor(1)
-                buf.insert_text("\n")
-            else:
-                buf.validate_and_handle()
-
-        @kb.add("escape", "enter")
-        def _newline(event):
-            event.current_buffer.insert_text("\n")
-
-        @kb.add("c-c")
-        def _clear_or_quit(event):  # Ctrl-C clears a half-typed message; at an empty prompt it quits
-            if event.current_buffer.text:
-                event.current_buffer.reset()
-            else:
-                event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
-
-        self.session = PromptSession(history=_history(history), key_bindings=kb, multiline=True,
-                                     prompt_continuation=MORE)
-
-    def read(self) -> str | None:
-        try:
-            return self.session.prompt(PROMPT)
-        except EOFError:
-            return None
-
-
-def _history(path: Path):
-    """The input history, kept in `path` while it can be written; else in memory, with a word: a history file
-    that cannot be written (a directory there, a full disk, a file left by a sudo run) never ends the chat."""
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
-
-    class Kept(FileHistory):
-        def load_history_strings(self):
-            try:
-                yield from super().load_history_strings()
-            except OSError:
-                pass  # said when the first line is stored
-
-        def store_string(self, string: str) -> None:
-            try:
-                super().store_string(string)
-            except OSError as e:
-                self.store_string = lambda s: None
-                print(f"\n(input history not saved to {path}: {e.strerror or e})", file=sys.stderr)
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return Kept(str(path))
-    except OSError as e:
-        print(f"(input history kept in memory only: {path.parent}: {e.strerror or e})", file=sys.stderr)
-        return InMemoryHistory()
-
-
-class Lines:
-    """Input that is not a terminal: one message per line (a trailing backslash continues it)."""
-
-    def __init__(self, stream: TextIO):
-        self.stream = stream
-
-    def read(self) -> str | None:
-        parts = []
-        while line := self.stream.readline():
-            line = line.rstrip("\r\n")
-            if not line.endswith("\\"):
-                return "\n".join([*parts, line])
-            parts.append(line[:-1])
-        return "\n".join(parts) if parts else None
-
-
 # ---- the chat ----
 @contextlib.contextmanager
 def held_interrupts(*, drop: bool):
@@ -243,7 +132,23 @@ class Chat:
         self.options = {k: v for k, v in options.items() if v is not None and v != []}
         self.conv, self.totals = Conversation(system), Totals()
         self.commands = {"help": self.help, "stats": self.stats, "reset": self.reset, "system": self.system,
-                         "set": self.set, "draft": self.draft, "save": self.save, "load": self.load}
+                         "set": self.set, "draft": self.draft, "save": self.save, "load": self.load,
+                         "think": self.think}
+        # a reasoning model's thinking span (from its chat template), whether it may think, its budget, and the
+        # last reply's thinking (shown folded; /think show unfolds it)
+        self.markers = markers_of(llm.target.chat_template())
+        self.thinking, self.budget, self.last_thought = True, None, ""
+
+    def variables(self) -> dict | None:
+        """The template variables of each turn: thinking turned off where the user asked."""
+        return None if self.thinking or self.markers is None else {"enable_thinking": False}
+
+    def tokens(self, messages: list[dict]) -> list[int]:
+        return self.llm.chat_tokens(plain(messages), variables=self.variables())
+
+    def span(self, messages: list[dict]) -> Span | None:
+        """The reply's thinking span: whether the prompt opens it, and its budget (None: the model has none)."""
+        return span_for(self.llm, plain(messages), variables=self.variables(), budget=self.budget)
 
     def request(self, options: dict | None = None) -> Request:
         return make_request(**(self.llm.defaults | (self.options if options is None else options)))
@@ -274,7 +179,7 @@ class Chat:
         messages = self.conv.in_context() + [{"role": "user", "content": text}]
 
         def size(m: list[dict]) -> int:
-            return len(self.llm.chat_tokens(plain(m)))
+            return len(self.tokens(m))
 
         try:
             # A trim drops down to half the prompt space, as llama.cpp's context shift does: trimming just
@@ -285,12 +190,14 @@ class Chat:
             raise DoesNotFit(f"this message and room for a {room}-token reply do not fit in n_ctx={n_ctx}: "
                              "shorten it, lower max_tokens (/set max_tokens N) or restart chat with a larger "
                              "--n-ctx") from None
-        return messages, dropped, self.llm.chat_tokens(plain(messages))
+        return messages, dropped, self.tokens(messages)
 
     def ask(self, text: str) -> None:
         """One turn: stream the reply; Ctrl-C stops it and keeps what came so far."""
         messages, dropped, tokens = self.prompt(text)
-        stream = self.llm.stream(tokens, **self.options)
+        span = self.span(messages)
+        stream = self.llm.stream(tokens, **self.options, **({"span": span} if span is not None else {}))
+        spans = Spans(self.markers, span.inside) if span is not None else None
         events = iter(stream)
         kept = {id(m) for m in messages}
         for m in self.conv.messages:
@@ -301,11 +208,23 @@ class Chat:
             self.totals.dropped += dropped
             self.screen.hint(f"dropped the oldest {dropped} turn{'s' if dropped > 1 else ''} "
                              f"to fit n_ctx={self.llm.target.n_ctx}")
-        parts, interrupted = [], True
+        parts, thought, interrupted = [], [], True
         try:
             for ev in events:
-                parts.append(ev.text)
-                self.screen.piece(ev.text, ev.from_draft)
+                for thinking, text in spans.token(ev.text, ev.from_draft) if spans else [(False, ev.text)]:
+                    if thinking:
+                        thought.append(text)
+                        self.screen.thought(text, spans.counts["reasoning"]["tokens"])
+                        continue
+                    if thought and not parts:
+                        self.screen.thought_done(spans.counts["reasoning"]["tokens"], True)
+                    parts.append(text)
+                    self.screen.piece(text, ev.from_draft)
+            if spans is not None:
+                for thinking, text in spans.finish():
+                    (thought if thinking else parts).append(text)
+                    if not thinking:
+                        self.screen.piece(text, False)
             interrupted = False
         except KeyboardInterrupt:
             if not self.screen.interactive:
@@ -313,7 +232,14 @@ class Chat:
         finally:
             with held_interrupts(drop=self.screen.interactive):  # a second Ctrl-C must not cut the cleanup short
                 events.close()  # the engine's cleanup puts both KV caches back in line with their token lists
-                reply = {"role": "assistant", "content": "".join(parts)} | ({"interrupted": True} if interrupted else {})
+                if thought and not parts:  # the reply ended inside its thinking
+                    self.screen.thought_done(spans.counts["reasoning"]["tokens"], False)
+                self.last_thought = "".join(thought)
+                # the answer is what the conversation goes on from; the thinking is kept beside it (templates
+                # leave earlier turns' thinking out of the prompt; /save keeps it)
+                reply = ({"role": "assistant", "content": "".join(parts)}
+                         | ({"reasoning_content": self.last_thought} if thought else {})
+                         | ({"interrupted": True} if interrupted else {}))
                 self.conv.messages.append(reply)
                 self.screen.end_reply(reply["content"])
                 if stream.stats is not None:
@@ -326,8 +252,8 @@ class Chat:
         self.screen.note(HELP.format(keys=", ".join(SETTINGS)), "")
 
     def stats(self, arg: str) -> None:
-        seen = plain(self.conv.in_context())  # what the next turn sends (the cache may hold more, for reuse)
-        self.screen.note(self.totals.line(len(self.llm.chat_tokens(seen)) if seen else 0, self.llm.target.n_ctx), "")
+        seen = self.conv.in_context()  # what the next turn sends (the cache may hold more, for reuse)
+        self.screen.note(self.totals.line(len(self.tokens(seen)) if seen else 0, self.llm.target.n_ctx), "")
 
     def reset(self, arg: str) -> None:
         self.conv.reset()
@@ -380,6 +306,27 @@ class Chat:
         if self.screen.show_draft and not self.screen.colour:
             self.screen.hint("no colours here: output is not a terminal, or NO_COLOR is set")
 
+    def think(self, arg: str) -> None:
+        if self.markers is None:
+            self.screen.hint("this model's chat template has no thinking span: /think does nothing here")
+            return
+        word, _, value = arg.partition(" ")
+        if word == "show":
+            self.screen.note(self.last_thought.strip() or "(the last reply did not think)")
+        elif word in ("on", "off") and not value:
+            if word == "off" and "enable_thinking" not in (self.llm.target.chat_template() or ""):
+                self.screen.hint("this model's chat template cannot turn its thinking off (it reads no "
+                                 "enable_thinking); /think budget 0 ends each span at once instead")
+                return
+            self.thinking = word == "on"
+            self.screen.note(f"thinking {word}")
+        elif word == "budget" and (value == "off" or value.isdigit()):
+            self.budget = None if value == "off" else int(value)
+            self.screen.note("no thinking budget" if self.budget is None else
+                             f"at most {self.budget} thinking tokens per reply")
+        else:
+            self.screen.hint("usage: /think on|off|show, or /think budget N|off")
+
     def save(self, arg: str) -> None:
         if not arg:
             self.screen.hint("usage: /save FILE")
@@ -424,7 +371,7 @@ def run(llm: Engine, options: dict, *, system: str | None = None, show_draft: bo
     if not interactive:
         with contextlib.suppress(AttributeError, OSError, ValueError):  # a stream that is not a console's
             sys.stdin.reconfigure(encoding="utf-8", errors="strict")  # non-UTF-8 input is an error, not mojibake
-    reader = Prompt(home() / "chat_history") if interactive else Lines(sys.stdin)
+    reader = Prompt(home() / "chat_history", lambda: chat.think("show")) if interactive else Lines(sys.stdin)
     if interactive:
         screen.note(f"localspec chat with {llm.name}: /help lists the commands, Ctrl-D leaves")
     while True:

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..core.errors import LocalspecError
+from ..api.reasoning import span_for, split
 from ..core.request import make_request
 from .options import (api_keys, check_writable, constraint_options, generation_options, load_engine, model_options,
                       parse_parallel, read_stdin, read_text, split_options)
@@ -27,14 +28,18 @@ def cli() -> None:
 @constraint_options
 @click.option("--chat", is_flag=True, help="PROMPT is a user message, rendered with the model's chat template.")
 @click.option("--system", help="System message for --chat.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, from_draft, finish_reason, stats).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, from_draft, finish_reason, stats; "
+              "with --chat and a reasoning model, also reasoning and content: its thinking and its answer).")
+@click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True, metavar="N",
+              help="With --chat and a reasoning model: at most N thinking tokens, then its span's end is forced and "
+                   "it answers. -1: no limit.")
 @click.option("--prediction", "prediction_file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="Text the output is expected to resemble (the file being edited): drafted from, verified like "
                    "any draft, so the output is unchanged and only faster where it matches.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write each round as a JSON line to FILE: tokens drafted and accepted, seconds drafting and "
                    "verifying, and with auto the drafter it chose and the tokens and seconds it expected.")
-def generate(prompt, chat, system, as_json, prediction_file, trace_path, **kw):
+def generate(prompt, chat, system, as_json, reasoning_budget, prediction_file, trace_path, **kw):
     """Generate a continuation of PROMPT ('-' or nothing reads it from stdin), streaming text to stdout.
 
     One stats line goes to stderr: tokens/s, acceptance, and whether the acceptance rule is lossless.
@@ -54,10 +59,14 @@ def generate(prompt, chat, system, as_json, prediction_file, trace_path, **kw):
     if trace_path:
         check_writable(trace_path, "--trace")
     make_request(**{k: v for k, v in gen_kw.items() if v is not None})  # fail before loading models
+    span = None
     with load_engine(load_kw) as llm:
         if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            span = span_for(llm, messages, budget=None if reasoning_budget < 0 else reasoning_budget)
             prompt = llm.chat_tokens(messages)
+            if span is not None:
+                gen_kw["span"] = span
         with open(trace_path, "w", encoding="utf-8") if trace_path else contextlib.nullcontext() as tf:
             stream = llm.stream(prompt, **gen_kw, trace=(lambda row: tf.write(json.dumps(row) + "\n")) if tf else None)
             events = []
@@ -66,8 +75,11 @@ def generate(prompt, chat, system, as_json, prediction_file, trace_path, **kw):
                 if not as_json:
                     click.echo(ev.text, nl=False)
         if as_json:
-            click.echo(json.dumps({"text": "".join(e.text for e in events), "tokens": [e.token for e in events],
+            text = "".join(e.text for e in events)
+            thinking, answer = split(text, span)
+            click.echo(json.dumps({"text": text, "tokens": [e.token for e in events],
                                    "from_draft": [e.from_draft for e in events],
+                                   **({"reasoning": thinking, "content": answer} if span is not None else {}),
                                    "finish_reason": stream.finish_reason, "stats": stream.stats.to_dict()}))
         else:
             click.echo("")
@@ -219,7 +231,10 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="HOST",
               help="Also answer requests sent to the name HOST ('*': any); repeatable. Without --api-key only "
                    "loopback names, --host and IP addresses are answered (a guard against DNS rebinding).")
-def serve(host, port, api_key, cors, parallel, queue_size, allow_hosts, **kw):
+@click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True, metavar="N",
+              help="A reasoning model's most thinking tokens per request: then its span's end marker is forced and "
+                   "it answers (a request's reasoning_budget may ask for fewer). -1: no limit.")
+def serve(host, port, api_key, cors, parallel, queue_size, allow_hosts, reasoning_budget, **kw):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
     Requests generate in arrival order, --parallel at a time. The generation flags are the defaults of requests
@@ -243,7 +258,8 @@ def serve(host, port, api_key, cors, parallel, queue_size, allow_hosts, **kw):
             llm.calibration()  # measure costs now (once per machine) rather than inside the first request
             llm.token_kinds()  # and read the vocabulary's token kinds (~0.7 s), which the first requests waited for
         server.serve(llm, host=host, port=port, api_key=api_keys(api_key) or None, cors=cors, queue_size=queue_size,
-                     allow_hosts=allow_hosts, defaults=defaults, socks=socks)
+                     allow_hosts=allow_hosts, defaults=defaults, socks=socks,
+                     reasoning_budget=None if reasoning_budget < 0 else reasoning_budget)
 
 
 def _no_server_max_tokens(ctx, param, value):

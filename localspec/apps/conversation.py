@@ -17,7 +17,8 @@ ROLES = ("system", "user", "assistant")
 
 
 def parse_messages(data: object) -> list[dict]:
-    """Messages from JSON: a list of {role, content[, interrupted, dropped]}, or an object with a "messages" list."""
+    """Messages from JSON: a list of {role, content[, reasoning_content, interrupted, dropped]}, or an object with a
+    "messages" list."""
     if isinstance(data, dict) and "messages" in data:
         data = data["messages"]
     if not isinstance(data, list):
@@ -29,6 +30,8 @@ def parse_messages(data: object) -> list[dict]:
             raise ChatError(f"message {i} must be an object with role ({', '.join(ROLES)}) and content (text, or "
                             f"a list of text parts), got {json.dumps(m)[:80]}")
         out.append({"role": m["role"], "content": text})
+        if m["role"] == "assistant" and isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
+            out[-1]["reasoning_content"] = m["reasoning_content"]  # its thinking, kept beside the answer
         for mark in ("interrupted", "dropped"):
             if m.get(mark) and m["role"] != "system":  # the system prompt is never dropped
                 out[-1][mark] = True
@@ -36,7 +39,8 @@ def parse_messages(data: object) -> list[dict]:
 
 
 def plain(messages: list[dict]) -> list[dict]:
-    """What the model sees: role and content only (the interruption and dropped marks stay out)."""
+    """What the model sees: role and content only (the interruption and dropped marks, and a reply's thinking,
+    stay out)."""
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -158,6 +162,10 @@ def stats_line(s: Stats, *, interrupted: bool = False, max_tokens: int | None = 
                      f"{s.mean_accepted:.2f} per round")
     else:
         parts.append(f"drafter {s.drafter}: nothing drafted")
+    for name, p in (s.spans or {}).items():  # a reasoning model's thinking and answer, each on its own
+        parts.append(f"{name} {p['tokens']} tokens" + (f", {p['accepted']}/{p['drafted']} accepted" if p["drafted"]
+                                                        else "") + (f", {p['tokens'] / p['seconds']:.1f} tok/s"
+                                                                    if p["seconds"] > 0 else ""))
     parts.append(f"prompt {s.prompt_prefilled} prefilled, {s.prompt_reused} reused")
     if interrupted:
         parts.append("interrupted (the partial reply stays in the conversation)")

@@ -25,6 +25,8 @@ class Run:
     prediction: tuple[int, int] | None = None  # auto-pred: prediction tokens (accepted, rejected)
     tries: list[float] | None = None   # with --repeat: each run's tokens/s, in the order they ran
     within: float | None = None        # our methods: speed against plain priced inside the run (within_run)
+    # a reasoning model's spans, each apart ('thinking', 'answer'): tokens/s, tokens drafted and accepted
+    spans: dict | None = None
 
 
 @dataclass
@@ -60,6 +62,21 @@ def _cell(m: str, r: Run) -> str:
     return cell + (" ≠" if r.same_as_plain is False else "")
 
 
+def _span_cell(rows: list[Row], m: str, span: str) -> str:
+    """One span's geomean ratio to plain, and its acceptance over the prompts, for method m."""
+    ratios, drafted, accepted = [], 0, 0
+    for r in rows:
+        mine, plain = (r.runs[m].spans or {}).get(span), (r.runs["none"].spans or {}).get(span)
+        if mine is None or plain is None or r.runs[m].failed:
+            continue
+        if plain["tps"] > 0:
+            ratios.append(mine["tps"] / plain["tps"])
+        drafted, accepted = drafted + mine["drafted"], accepted + mine["accepted"]
+    if not ratios:
+        return "n/a"
+    return f"{_gmean(ratios):.2f}x" + (f" {accepted / drafted:.0%}" if drafted else "")
+
+
 def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None) -> str:
     """A Markdown table: tokens/s (ratio to plain) per prompt and method, acceptance, equality with plain."""
     methods = list(rows[0].runs)
@@ -81,12 +98,17 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
     if repeated:
         cells = [f"{statistics.median(v):.0%} (≤ {max(v):.0%})" if v else "n/a" for v in spreads.values()]
         out.append(f"| spread of repeats | {' | '.join(cells)} |")
+    for span in sorted({s for r in rows for run in r.runs.values() for s in (run.spans or {})}, reverse=True):
+        out.append(f"| {span} | {' | '.join(_span_cell(rows, m, span) for m in methods)} |")
     checked = {m: [r.runs[m].valid for r in rows if r.runs[m].valid is not None] for m in methods}
     if any(checked.values()):
         out.append(f"| valid JSON | {' | '.join(f'{sum(v)}/{len(v)}' if v else 'n/a' for v in checked.values())} |")
     out.append("\ntokens/s from first to last token; (ratio) to plain in this run; NN% = acceptance rate, "
                "N.N/rd = mean accepted draft tokens per drafting round; geomean over the prompts a method ran; "
                "pred A/R = prediction tokens accepted/rejected.")
+    if any(run.spans for r in rows for run in r.runs.values()):
+        out.append("thinking / answer: a reasoning model's spans apart: tokens/s in the span over plain's in the same "
+                   "span (geomean over prompts), and the span's acceptance (a round counts in the span it started in).")
     if priced:
         out.append("Within the run: the speed against plain decoding priced inside each run, its drafting rounds "
                    "against its own single-token decodes nearest them (geomean over prompts, and the lowest), free "

@@ -164,17 +164,17 @@ class AutoDrafter:
         self.tuning = t = tuning
         # Seconds to turn each verified row into a sampling distribution: nothing at temperature 0.
         self.row_cost = costs.sample_row if sample_rows else 0.0
-        self.ngram_stats = ngram_stats(tuning, k_max, copying=grammar is not None)
-        self.kind_odds = {origin: KindOdds(t.grammar_kind_rates[origin]) if grammar is not None else KindOdds()
-                          for origin in ("prompt", "output", "split")}
+        self.k_max = k_max
+        # the rates learned per thinking span ('thinking', 'answer'; '' without one): acceptance differs sharply
+        # between a reasoning model's thinking and its answer, in either direction
+        self.span = grammar.span if grammar is not None else ""
+        self.model_stats, self.ngram_stats, self.kind_odds, self.run = self._fresh(self.span)
+        self.learned: dict[str, tuple] = {}
         self.output_from: int | None = None  # where the output starts: the first round's context length
-        self.run = 0
-        self.model_stats = AcceptanceStats(k_max, t.model_prior)
         self.forced_stats = AcceptanceStats(k_max, t.forced_prior)
         self.guess_stats: dict[int, AcceptanceStats] = {}  # by token: how often the model wrote each guess
         # a prediction is the client's own guess at the output: aligned with it, the output tends to follow it
         self.prediction_stats = {run: AcceptanceStats(k_max, p) for run, p in enumerate(t.prediction_prior)}
-        self.k_max = k_max
         # the longest draft it prices: as far as its statistics go and the measured verify curve reaches (a
         # verify of n + 1 tokens; past the curve's end its cost is not known, and a k the request allows
         # beyond it is not drafted)
@@ -193,6 +193,25 @@ class AutoDrafter:
         # the KindOdds that also learn from them and each token's kind)
         self.pending: list[tuple[int, list[int], AcceptanceStats, int, tuple[KindOdds, np.ndarray] | None]] = []
         self._ngram_set = set(self.ngram_stats.values()) | set(self.prediction_stats.values())
+
+    def _fresh(self, span: str) -> tuple:
+        """New learned rates (draft model, n-gram, token kinds, copy run) for a span: from the priors of
+        structured output where the answer is constrained (a thinking budget alone constrains none)."""
+        t = self.tuning
+        copying = self.grammar is not None and self.grammar.copying and span != "thinking"
+        return (AcceptanceStats(self.k_max, t.model_prior), ngram_stats(t, self.k_max, copying=copying),
+                {origin: KindOdds(t.grammar_kind_rates[origin]) if copying else KindOdds()
+                 for origin in ("prompt", "output", "split")}, 0)
+
+    def _enter_span(self) -> None:
+        """The learned rates of the span this round starts in (those of the span left are kept for its return)."""
+        span = self.grammar.span if self.grammar is not None else ""
+        if span != self.span:
+            self.learned[self.span] = (self.model_stats, self.ngram_stats, self.kind_odds, self.run)
+            rates = self.learned.get(span) or self._fresh(span)
+            self._ngram_set |= set(rates[1].values())
+            self.model_stats, self.ngram_stats, self.kind_odds, self.run = rates
+            self.span = span
 
     def _cost(self, depth: int, n: int):
         """cost(m): seconds of a verify of m tokens (1..n + 1, a number or an array) at this depth, the curve
@@ -250,6 +269,7 @@ class AutoDrafter:
     # -- one round --
     def propose(self, context: Sequence[int], n: int) -> Draft:
         self._learn(context)
+        self._enter_span()
         if self.output_from is None:
             self.output_from = len(context)
         self._close_account(len(context))

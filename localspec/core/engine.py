@@ -15,6 +15,7 @@ from .batch import Batcher
 from .costs import Costs, Shared, measure, measure_batch
 from .drafters import Drafter, GrammarDrafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, Prediction
 from .grammar import Grammar, Unconstrained
+from .thinking import Thinking
 from .history import History
 from .loop import Finish, Token, speculate
 from .model import Cancelled, Model, ModelError
@@ -257,6 +258,8 @@ class Engine:
         ('rejection', 'greedy', 'threshold'), k, p_min, threshold, stop; at most one constraint on the
         output: json_schema (a dict or JSON text), grammar (Lark or llama.cpp GBNF), regex, json_object=True;
         prediction (text or token ids the output is expected to resemble: drafted from, never trusted);
+        span (a thinking.Span: the output opens, or starts inside, a reasoning model's thinking span; a
+        constraint then holds for the answer after it, and the span's budget forces its end);
         logprobs=N (0..20: each Event's logprob and top_logprobs); history=False (where the engine keeps a
         history, history_mb: neither draft from it nor add this output to it); prompt_cache=False (where the
         engine keeps prompt states: neither restore this prompt from one nor keep its own).
@@ -282,6 +285,8 @@ class Engine:
         notes: list[str] = []
         spec = req.constraint()
         grammar = Grammar(self.target, spec) if spec is not None else None
+        if req.span is not None:  # the constraint holds after the span; statistics are kept per span
+            grammar = Thinking(self.target, req.span, grammar)
         name, drafter, prefill_draft = self._drafter(req, seed, tokens, notes, grammar, scope)
         k = req.k or (defaults.K_FIXED if name != "auto" else
                       defaults.K_PREDICTION if req.prediction is not None else defaults.K_AUTO)

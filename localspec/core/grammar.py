@@ -202,6 +202,8 @@ def first_bytes(model) -> np.ndarray:
 class Unconstrained:
     """No constraint: rows pass through, nothing to advance."""
 
+    span = ""  # no thinking span (thinking.Thinking names the one each round starts in)
+
     def rows(self, rows, draft: Sequence[int]):
         return rows
 
@@ -220,6 +222,9 @@ def _matcher(model, grammar: str):
 
 class Grammar:
     """An llguidance matcher whose state follows the emitted tokens; row masks for each verified position."""
+
+    span = ""
+    copying = True  # structured output: auto prices drafts as values copied from the prompt (auto.ngram_stats)
 
     def __init__(self, model, grammar: str):
         self.model, self.n_vocab = model, model.n_vocab

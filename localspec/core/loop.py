@@ -47,6 +47,7 @@ class Round:
     predicted: int = 0  # draft tokens from the request's prediction, and how many of them were accepted
     accepted_predicted: int = 0
     plan: Plan | None = None  # auto: what it chose and expected of this round
+    span: str = ""  # where the round started: 'thinking' or 'answer' under a thinking span ('' without one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +165,7 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
                 target.check_open()  # the engine may have been closed since the last round: before drafting
                 if target.version != seen:
                     target.sync(context[:-1], cancel=cancel)
+                span = grammar.span
                 t0 = time.perf_counter()
                 draft = drafter.propose(context, n) if n > 0 else EMPTY
                 t1 = time.perf_counter()
@@ -180,7 +182,7 @@ def speculate(target: Model, draft_model: Model | None, drafter: Drafter, prompt
                        if top_logprobs is not None else [(None, None)] * len(out[:end]))
             n_acc = n_acc if end is None else min(n_acc, end)
             yield Round(len(draft.tokens), n_acc, t1 - t0, t2 - t1, draft.forced, min(n_acc, draft.forced),
-                        draft.predicted, min(max(n_acc - draft.forced, 0), draft.predicted), draft.plan)
+                        draft.predicted, min(max(n_acc - draft.forced, 0), draft.predicted), draft.plan, span)
             for i, tok in enumerate(out[:end]):
                 context.append(tok)
                 produced += 1

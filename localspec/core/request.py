@@ -9,6 +9,7 @@ from . import defaults
 from .errors import LocalspecError
 from .grammar import compile_spec
 from .sampling import SamplingParams
+from .thinking import Span
 
 
 class RequestError(LocalspecError):
@@ -38,6 +39,9 @@ class Request:
     prediction: str | tuple[int, ...] | None = None  # text (or token ids) the output is expected to resemble
     history: bool = True  # where the engine keeps a history of outputs: draft from it and add this one to it
     prompt_cache: bool = True  # where the engine keeps prompt states: restore this prompt from one, keep its own
+    # a reasoning model's thinking span (its markers, whether the prompt opened it, its budget): the constraint
+    # above then applies to the answer after it, and the budget ends the span (thinking.Thinking)
+    span: Span | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "seed", "k", "logprobs"):
@@ -71,6 +75,12 @@ class Request:
         for name in ("json_object", "history", "prompt_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.span is not None:
+            if not isinstance(self.span, Span):
+                raise RequestError(f"span must be a localspec Span, got {type(self.span).__name__}")
+            b = self.span.budget
+            if b is not None and (isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0):
+                raise RequestError(f"the thinking budget must be a non-negative integer (tokens), got {b!r}")
         self.constraint()  # an invalid schema, grammar or regex is an error now, naming it
 
     def constraint(self) -> str | None:

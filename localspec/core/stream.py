@@ -58,6 +58,9 @@ class Stats:
     notes: tuple[str, ...] = ()  # what the request asked for but did not get, and why
     prompt_restored: int = 0  # of prompt_reused, tokens restored from a kept prompt state (the prefix store)
     prompt_restored_from: str = ""  # 'ram' or 'disk' ('' where nothing was restored)
+    # under a thinking span, per span ('thinking', 'answer'): tokens, rounds, drafted, accepted and seconds; a
+    # round counts in the span it started in (the one that crosses the span's end, in 'thinking')
+    spans: dict | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -101,6 +104,12 @@ class Stats:
             s += f" (prediction {self.accepted_prediction}/{self.drafted_prediction})"
         if self.drafted_history:
             s += f" (history {self.accepted_history}/{self.drafted_history})"
+        for name, p in (self.spans or {}).items():
+            s += f"; {name} {p['tokens']} tokens"
+            if p["drafted"]:
+                s += f" (accepted {p['accepted']}/{p['drafted']})"
+            if p["seconds"] > 0:
+                s += f" {p['tokens'] / p['seconds']:.1f} tok/s"
         s += f"; {self.rule} ({'lossless' if self.lossless else 'LOSSY'})"
         return s + "".join(f"\nnote: {n}" for n in self.notes)
 
@@ -174,6 +183,12 @@ class Stream:
         forced, predicted, history = [0, 0], [0, 0], [0, 0]
         reason, held = "cancelled", None  # until the loop says why it ended: a consumer that closes early cancels
         last, got = None, 0  # the latest drafting round, and how many of its draft tokens this stream emitted
+        spans: dict[str, dict] = {}  # per thinking span: what its rounds drafted and emitted (Stats.spans)
+        span, t_span = None, 0.0  # the latest round's span, and when that round's fact came
+
+        def close_span() -> None:
+            if span is not None:
+                span["seconds"] += time.perf_counter() - t_span
 
         def settle() -> None:
             """Count the latest round's accepted tokens as far as they were emitted: a stop sequence or a close
@@ -182,6 +197,8 @@ class Stream:
             acc += got
             for i in range(got):
                 at[i] += 1
+            if last.span:
+                spans[last.span]["accepted"] += got
             forced[1] += min(got, last.forced)
             predicted[1] += min(max(got - last.forced, 0), last.predicted)
             if last.plan is not None and last.plan.source == "history":
@@ -204,6 +221,8 @@ class Stream:
                         held = None
                     n += 1
                     got += f.from_draft
+                    if span is not None:
+                        span["tokens"] += 1
                     ev = Event(f.token, self._text.push(piece), f.from_draft, f.logprob, f.top)
                     if self._text.stopped:
                         reason = "stop"
@@ -217,6 +236,12 @@ class Stream:
                     if self._trace is not None:
                         self._trace(trace_row(f, self._meta["prompt_tokens"] + n))
                     rounds += 1
+                    close_span()
+                    span, t_span = None, time.perf_counter()
+                    if f.span:
+                        span = spans.setdefault(f.span, dict(tokens=0, rounds=0, drafted=0, accepted=0, seconds=0.0))
+                        span["rounds"] += 1
+                        span["drafted"] += f.drafted
                     t_d += f.draft_s
                     t_v += f.verify_s
                     if last is not None:
@@ -244,6 +269,7 @@ class Stream:
             self._facts.close()
             if last is not None:
                 settle()
+            close_span()
             self.finish_reason = reason
             self.stats = Stats(finish_reason=reason, prompt_reused=pre.reused if pre else 0,
                                # + the prompt's last token, evaluated with the first round: reused +
@@ -258,7 +284,7 @@ class Stream:
                                drafted_forced=forced[0], accepted_forced=forced[1],
                                drafted_prediction=predicted[0], accepted_prediction=predicted[1],
                                drafted_history=history[0], accepted_history=history[1],
-                               drafting_rounds=drafting, **self._meta)
+                               drafting_rounds=drafting, spans=spans or None, **self._meta)
 
 
 def trace_row(r: Round, depth: int) -> dict:
