@@ -51,7 +51,8 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
          exact: bool = False, target_kwargs: Mapping[str, object] | None = None,
          draft_kwargs: Mapping[str, object] | None = None, memory_check: bool = True, allow_mirror: bool = True,
          history_mb: float = 0, history_file: bool = True, prompt_cache_mb: float | None = None,
-         prompt_cache_disk_mb: float | None = None, parallel: int | str = 1, verbose: bool = False) -> Engine:
+         prompt_cache_disk_mb: float | None = None, parallel: int | str = 1, chat_template: str | None = None,
+         verbose: bool = False) -> Engine:
     """Load a target model and, optionally, a draft model that shares its tokenizer.
 
     Models by path (target=, draft=) or by name: pair="NAME" from models.toml, or nothing at all for the
@@ -92,9 +93,12 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     the draft model), so a wide verify's cost is shared rather than paid by one; the N+1th stream waits for a
     free one. 'auto' picks 1, 2, 4 or 8 from this machine's measured costs (where a wider decode costs nearly
     in proportion to its width, as on many CPUs, 1). Not with exact.
+    chat_template: a Jinja chat template to render chats with in place of the one in the target's GGUF (one
+    that has none, or a fixed one; as llama-server's --chat-template-file).
     verbose: show llama.cpp's own log output and the memory estimate.
     """
     from .api.completions import Engine
+    from .core.chat_template import check_template
     from .core.engine import EXACT_PARALLEL
     from .store import download, memory, registry
     from .store.calibration import costs_keeper, exact_flash_attn
@@ -118,6 +122,8 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
     elif pair is not None:
         raise ModelError("pass either pair='NAME' or target=/draft= paths, not both")
     n_ctx = 4096 if n_ctx is None else n_ctx
+    if chat_template is not None:
+        check_template(chat_template)  # a template that does not compile is an error now, not at the first chat
     if parallel == "auto":
         if exact:
             parallel = 1
@@ -129,7 +135,7 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
                                      "type_v", "n_ctx_draft", "n_threads_draft", "n_gpu_layers_draft",
                                      "flash_attn_draft", "type_k_draft", "type_v_draft", "target_kwargs",
                                      "draft_kwargs", "memory_check", "history_mb", "history_file", "prompt_cache_mb",
-                                     "prompt_cache_disk_mb", "verbose")}
+                                     "prompt_cache_disk_mb", "chat_template", "verbose")}
             one = load(**kw, parallel=1)
             try:
                 parallel = parallel_for(one.calibration())
@@ -215,7 +221,7 @@ def load(*, target: str | os.PathLike | None = None, draft: str | os.PathLike | 
             d.close()
         raise
     engine = Engine(t, d, name=name, defaults=defaults, costs=costs_keeper(registry.home() / "calibration"),
-                    history_mb=history_mb, history_keeper=keeper, prompt_cache=cache)
+                    history_mb=history_mb, history_keeper=keeper, prompt_cache=cache, chat_template=chat_template)
     if parallel > 1:  # measured now, before any request: measuring decodes in the slots' own sequences
         try:
             engine.calibration()

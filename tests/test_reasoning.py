@@ -365,3 +365,32 @@ def test_chat_folds_the_thinking_keeps_the_answer_and_think_commands(smol_engine
     assert "reasoning_content" not in chat.conv.messages[-1] and chat.conv.messages[-1]["content"]
     chat.handle("/think maybe")
     assert "usage: /think" in capsys.readouterr().err
+
+
+def test_a_chat_template_given_at_load_replaces_the_gguf_one_and_a_broken_one_is_refused(smol_path, tmp_path):
+    import localspec
+    from localspec.core.chat_template import ChatError
+
+    with localspec.load(target=smol_path, n_ctx=512, chat_template=THINKING, prompt_cache_mb=0,
+                        prompt_cache_disk_mb=0) as llm:
+        assert llm.chat_template() == THINKING
+        assert llm.render_chat(ASK).endswith("<|im_start|>assistant\n<think>\n")
+    with pytest.raises(ChatError, match="line 1"):
+        localspec.load(target=smol_path, n_ctx=512, chat_template="{% if %}")
+
+
+def test_generate_chat_json_gives_the_reasoning_and_the_content(smol_path, tmp_path):
+    from click.testing import CliRunner
+
+    from localspec.apps.cli import cli
+
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING, encoding="utf-8")
+    r = CliRunner().invoke(cli, ["generate", "--target", str(smol_path), "--n-ctx", "512", "--chat", "--json",
+                                 "--chat-template-file", str(template), "--reasoning-budget", "4", "--max-tokens",
+                                 "24", "--temperature", "0", "--drafter", "none", "--no-prompt-cache",
+                                 "Is the sky blue? Answer in a word."])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["reasoning"] and out["content"] and out["text"].startswith(out["reasoning"])
+    assert set(out["stats"]["spans"]) == {"thinking", "answer"}

@@ -39,7 +39,7 @@ class Engine(CoreEngine):
         reasoning_budget (tokens) forces the span's end after that many, and a constraint (response_format,
         tools) holds for the answer after it.
         """
-        template = self.target.chat_template()
+        template = self.chat_template()
         try:
             variables = template_variables({"reasoning_effort": reasoning_effort,
                                             "chat_template_kwargs": chat_template_kwargs}, template, RESERVED)
@@ -50,7 +50,7 @@ class Engine(CoreEngine):
             raise RequestError(f"reasoning_budget must be a number of tokens (0 or more), got {reasoning_budget!r}")
         span = span_for(self, for_template(messages), tools=tools, variables=variables, budget=reasoning_budget)
         extra, _, tools, fmt = structured(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                                          response_format=response_format, template=self.target.chat_template(),
+                                          response_format=response_format, template=template,
                                           token_of=self.single_token)
         fields = {k: v for k, v in dict(logprobs=logprobs, top_logprobs=top_logprobs, prediction=prediction,
                                         stream_options=stream_options).items() if v is not None}

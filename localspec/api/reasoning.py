@@ -45,7 +45,7 @@ def span_for(llm, messages: list[dict], *, tools=None, variables: dict | None = 
              budget: int | None = None) -> Span | None:
     """The thinking span of a chat request's reply (None where the model's template writes none): its markers,
     whether the prompt the template renders opens it, and its budget."""
-    markers = markers_of(llm.target.chat_template())
+    markers = markers_of(llm.chat_template())
     if markers is None:
         return None
     inside = opens_in_prompt(llm.render_chat(messages, tools=tools, variables=variables), markers)

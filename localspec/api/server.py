@@ -275,7 +275,7 @@ class App:
 
     def _parse_chat(self, raw: bytes):
         llm, body = self.engine, self._decode(raw)
-        req = parse_chat(body, defaults=self.defaults, n_ctx=llm.target.n_ctx, template=llm.target.chat_template(),
+        req = parse_chat(body, defaults=self.defaults, n_ctx=llm.target.n_ctx, template=llm.chat_template(),
                          token_of=llm.single_token, constraint=self.constraints)
         try:
             budget = budget_of(body, self.reasoning_budget)

@@ -232,14 +232,15 @@ def _peer(llama, tokens: list[int], max_tokens: int, temperature: float = 0.0, s
 def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, temperature: float = 0.0,
         seed: int | None = None, repeat: int = 1, log: Callable[[str], None] = lambda s: None,
         done: Sequence[Row] = (), on_row: Callable[[list[Row]], None] = lambda rows: None,
-        trace_dir: str | Path | None = None) -> list[Row]:
+        trace_dir: str | Path | None = None, reasoning_budget: int | None = None) -> list[Row]:
     """Run every method on every prompt; the plain run ('none') is always included as the baseline.
 
     Rows in `done` (a saved run being resumed) are kept for their prompts, which are not run again; after
     each prompt, `on_row` gets the rows so far (kept and new, in prompt order), so a caller can save them.
     Each run of our methods is also priced inside itself (Run.within, within_run; with repeats the median).
     With `trace_dir`, each run of our methods writes its rounds there (trace_path; one engine.trace_row per
-    line), after the run, so the writing is not timed.
+    line), after the run, so the writing is not timed. A reasoning model's thinking and answer are measured
+    apart (Run.spans), its thinking cut at `reasoning_budget` tokens where given.
 
     With repeat > 1 the methods of a prompt run `repeat` times, in an order rotated each time (a method
     that heats the CPU does not always precede the same one), and each keeps its median speed, so a burst
@@ -253,7 +254,7 @@ def run(llm, prompts: list[dict], *, methods=METHODS, max_tokens: int = 256, tem
     if llm.draft is None and (need := [m for m in methods if m in NEED_DRAFT]):
         raise BenchError(f"method {need[0]!r} needs a draft model: load one (--draft) or leave it out of --methods")
     prompt_tokens = [llm.chat_tokens(p["messages"]) for p in prompts]
-    spans = [span_for(llm, p["messages"]) for p in prompts]  # a reasoning model's: each span measured apart
+    spans = [span_for(llm, p["messages"], budget=reasoning_budget) for p in prompts]  # each span measured apart
     peer = None
     if any(m in PEERS for m in methods):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

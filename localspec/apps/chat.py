@@ -136,7 +136,7 @@ class Chat:
                          "think": self.think}
         # a reasoning model's thinking span (from its chat template), whether it may think, its budget, and the
         # last reply's thinking (shown folded; /think show unfolds it)
-        self.markers = markers_of(llm.target.chat_template())
+        self.markers = markers_of(llm.chat_template())
         self.thinking, self.budget, self.last_thought = True, None, ""
 
     def variables(self) -> dict | None:
@@ -314,7 +314,7 @@ class Chat:
         if word == "show":
             self.screen.note(self.last_thought.strip() or "(the last reply did not think)")
         elif word in ("on", "off") and not value:
-            if word == "off" and "enable_thinking" not in (self.llm.target.chat_template() or ""):
+            if word == "off" and "enable_thinking" not in (self.llm.chat_template() or ""):
                 self.screen.hint("this model's chat template cannot turn its thinking off (it reads no "
                                  "enable_thinking); /think budget 0 ends each span at once instead")
                 return

@@ -141,7 +141,11 @@ def chat(system, show_draft, **kw):
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 = greedy; above 0 every method samples, llama-cpp-python's peers too.")
 @click.option("--seed", type=int, help="One seed for every method and peer, so sampled runs can be compared.")
-def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, trace_dir, temperature, seed, **kw):
+@click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1, show_default=True, metavar="N",
+              help="A reasoning model: at most N thinking tokens per prompt, then its span's end is forced (each "
+                   "span's speed is reported apart). -1: no limit.")
+def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, trace_dir, temperature, seed,
+          reasoning_budget, **kw):
     """Speed of each drafter against plain decoding on this machine, side by side in one run (greedy by default).
 
     Each prompt's methods run together, so a long run can be stopped (Ctrl-C) and finished later with
@@ -201,7 +205,7 @@ def bench(prompts, max_tokens, methods, repeat, json_path, resume, plot_path, tr
         try:
             rows = b.run(llm, rows_in, methods=names, max_tokens=max_tokens, temperature=temperature, seed=seed,
                          repeat=repeat, log=lambda s: click.echo(s, err=True), done=done, on_row=save,
-                         trace_dir=trace_dir)
+                         trace_dir=trace_dir, reasoning_budget=None if reasoning_budget < 0 else reasoning_budget)
         except KeyboardInterrupt:
             click.echo(f"interrupted: the prompts finished are in {json_path}; run the same command with --resume "
                        "to finish" if json_path else "interrupted (give --json FILE to keep finished prompts)",

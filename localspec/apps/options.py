@@ -36,6 +36,9 @@ def model_options(f):
                      help="Any other llama_model_params / llama_context_params field for the target; repeatable."),
         click.option("--draft-kwarg", "draft_kwargs", multiple=True, metavar="KEY=VALUE",
                      help="The same for the draft model; repeatable."),
+        click.option("--chat-template-file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+                     help="Render chats with this Jinja chat template in place of the one in the target GGUF (one "
+                          "that has none, a fixed one, or one that thinks, as llama-server's option)."),
         click.option("--exact", is_flag=True, help="No CPU weight repacking: batched logits equal single-token logits "
                      "(speculative greedy output then equals plain output token for token; ~25% slower)."),
         click.option("--no-memory-check", "memory_check", flag_value=False, default=True,
@@ -207,6 +210,9 @@ def parse_kwargs(items) -> dict:
 def split_options(kw: dict) -> tuple[dict, dict]:
     """(load() keywords, generate() keywords) from a command's parsed flags."""
     load_kw = {k: kw.pop(k) for k in _LOAD_KEYS if k in kw}
+    if kw.get("chat_template_file"):
+        load_kw["chat_template"] = read_text(kw["chat_template_file"], "--chat-template-file")
+    kw.pop("chat_template_file", None)
     if not kw.pop("prompt_cache", True):
         load_kw["prompt_cache_mb"] = load_kw["prompt_cache_disk_mb"] = 0
     for key in ("target_kwargs", "draft_kwargs"):

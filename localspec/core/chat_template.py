@@ -45,6 +45,22 @@ RESERVED = frozenset({"messages", "tools", "bos_token", "eos_token", "add_genera
                       "strftime_now"})  # what render() gives every template: a caller's variables cannot replace it
 
 
+def _env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def check_template(template: str) -> None:
+    """A template given in place of the GGUF's: refused now, naming the fault, where jinja2 cannot compile it."""
+    if not isinstance(template, str) or not template.strip():
+        raise ChatError("chat_template must be the text of a Jinja chat template")
+    try:
+        _env().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatError(f"chat template: line {e.lineno}: {e.message}") from None
+
+
 def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str = "", eos_token: str = "",
            add_generation_prompt: bool = True, tools: Sequence[Mapping] | None = None,
            variables: Mapping | None = None) -> str:
@@ -60,10 +76,8 @@ def render(template: str | None, messages: Sequence[Mapping], *, bos_token: str 
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or not isinstance(m.get("content", ""), (str, type(None))):
             raise ChatError(f"message {i} must be an object with 'role' and string 'content', got {m!r}")
-    env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = _tojson
     try:
-        return env.from_string(template).render(
+        return _env().from_string(template).render(
             **(variables or {}), messages=[dict(m) for m in messages], bos_token=bos_token, eos_token=eos_token,
             add_generation_prompt=add_generation_prompt, raise_exception=_raise, tools=tools or None,
             strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))

@@ -45,14 +45,16 @@ class Engine:
 
     def __init__(self, target: Model, draft: Model | None = None, *, name: str | None = None,
                  defaults: dict | None = None, costs: Callable[..., Costs] | None = None, history_mb: float = 0,
-                 history_keeper=None, prompt_cache: PrefixCache | None = None):
+                 history_keeper=None, prompt_cache: PrefixCache | None = None, chat_template: str | None = None):
         """costs(target, draft, force=, stop=) gives this machine's speculation costs: localspec.load passes one
         that keeps them under $LOCALSPEC_HOME (store.calibration); without it they are measured on first use.
         history_mb > 0 keeps what requests generate (up to that many MB per scope) for auto to draft from;
         history_keeper makes it outlive the engine (store.history.HistoryFiles: localspec.load passes one).
         prompt_cache keeps the KV states of prompts (prefix.PrefixCache, its models attached): a prompt that
-        starts like a kept one restores those cells instead of prefilling them."""
+        starts like a kept one restores those cells instead of prefilling them.
+        chat_template: renders chats in place of the template in the target's GGUF."""
         self.target, self.draft = target, draft
+        self._chat_template = chat_template
         self.history = History(history_mb, keeper=history_keeper) if history_mb > 0 else None
         self.prompt_cache = prompt_cache
         self.name = name or target.path.stem
@@ -108,11 +110,15 @@ class Engine:
         return dict(bos_token=t.token_text(t.bos).decode(errors="replace") if t.bos >= 0 else "",
                     eos_token=t.token_text(t.eos).decode(errors="replace") if t.eos >= 0 else "")
 
+    def chat_template(self) -> str | None:
+        """The Jinja template chats are rendered with: the one given at load, else the target GGUF's."""
+        return self._chat_template if self._chat_template is not None else self.target.chat_template()
+
     def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Sequence[dict] | None = None, variables: dict | None = None) -> str:
         from .chat_template import render
 
-        return render(self.target.chat_template(), messages, add_generation_prompt=add_generation_prompt,
+        return render(self.chat_template(), messages, add_generation_prompt=add_generation_prompt,
                       tools=tools, variables=variables, **self._template_kwargs())
 
     def chat_tokens(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
@@ -127,7 +133,7 @@ class Engine:
         from .chat_template import segments
 
         out = []
-        for text, markup in segments(self.target.chat_template(), messages, self.target.control_spellings(),
+        for text, markup in segments(self.chat_template(), messages, self.target.control_spellings(),
                                      tools=tools, variables=variables, **self._template_kwargs()):
             out += self.tokenize(text, add_special=False, parse_special=markup)
         return out
