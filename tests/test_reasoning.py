@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -122,12 +123,9 @@ def test_the_chat_shape_gives_the_span_under_both_names_and_the_answer_as_conten
     assert message["content"] == text and "reasoning_content" not in message
 
 
-# a Qwen3-style template for SmolLM2's ChatML tokens: the template opens the span (thinking on), or writes it
-# empty and closed (enable_thinking false)
-THINKING = ("{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-            "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
-            "{%- else %}{{ '<think>\\n' }}{%- endif %}{%- endif %}")
+# a Qwen3-style template for SmolLM2's ChatML tokens (the one shipped for measuring): the template opens the span
+# (thinking on), or writes it empty and closed (enable_thinking false)
+THINKING = (Path(__file__).resolve().parents[1] / "scripts" / "templates" / "chatml_thinking.jinja").read_text()
 ASK = [{"role": "user", "content": "Is the sky blue? Answer in a word."}]
 
 

@@ -50,7 +50,8 @@ class _State(NamedTuple):
 
 
 def _tables(model) -> tuple[list[str], np.ndarray]:
-    """Every token's text (control tokens spelled out) and which tokens are whitespace alone; per model."""
+    """Every token's text (control tokens spelled out) and which tokens are whitespace alone; per model, built
+    the first time a mask needs them (~0.5 s for 150k tokens): only where an answer grammar follows a span."""
     t = getattr(model, "_thinking_tables", None)
     if t is None:
         texts = [model.piece(i, True).decode("utf-8", "replace") for i in range(model.n_vocab)]
@@ -64,7 +65,6 @@ class Thinking:
 
     def __init__(self, model, span: Span, inner=None):
         self.model, self.spec, self.inner, self.n_vocab = model, span, inner, model.n_vocab
-        self.texts, self.space = _tables(model)
         self.close_tokens = model.tokenize(span.transition(), add_special=False)
         first = self._enter_inside(0, "") if span.inside else _State("start", 0, "", (), 0, 0)
         self.stack: list[_State] = [first]
@@ -105,10 +105,13 @@ class Thinking:
         keep = next((n for n in range(min(len(text), len(close) - 1), 0, -1) if close.startswith(text[-n:])), 0)
         return s._replace(held=text[len(text) - keep:] if keep else "")
 
+    def _text(self, tok: int) -> str:
+        return self.model.piece(tok, True).decode("utf-8", "replace") if 0 <= tok < self.n_vocab else ""
+
     # ---- one token ----
     def _step(self, s: _State, tok: int) -> _State | None:
         """The state after tok, or None where tok is not allowed here."""
-        text = self.texts[tok] if 0 <= tok < len(self.texts) else ""
+        text = self._text(tok)
         if s.phase == "start":
             now = s.held + text
             lead = now.lstrip()
@@ -128,7 +131,7 @@ class Thinking:
             if s.forced + 1 < len(self.close_tokens):
                 return s._replace(forced=s.forced + 1)
             return _State("after", s.thought, "", (), 0, 0)
-        if s.phase == "after" and self.space[tok]:
+        if s.phase == "after" and not text.strip() and text:
             return s._replace(inner=0)
         return self._answer([tok], s.thought)
 
@@ -206,7 +209,7 @@ class Thinking:
         if s.phase == "answer":
             return self.inner.allowed()
         if s.phase == "after":
-            return self.space[:self.n_vocab] | self.inner.allowed()
+            return _tables(self.model)[1][:self.n_vocab] | self.inner.allowed()
         return self._start_allowed(s)
 
     def _start_allowed(self, s: _State) -> np.ndarray:
@@ -215,9 +218,9 @@ class Thinking:
         if not s.held and self._opening is not None:
             opening = self._opening
         else:
-            open_ = self.spec.open
+            open_, texts = self.spec.open, _tables(self.model)[0]
             opening = np.fromiter(((lambda lead: not lead or lead.startswith(open_) or open_.startswith(lead))(
-                (s.held + t).lstrip()) and bool(t) for t in self.texts), dtype=bool, count=len(self.texts))
+                (s.held + t).lstrip()) and bool(t) for t in texts), dtype=bool, count=len(texts))
             if not s.held:
                 self._opening = opening
         out = np.zeros(self.n_vocab, dtype=bool)
