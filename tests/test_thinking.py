@@ -120,7 +120,9 @@ def test_the_answer_grammar_holds_after_the_span_and_never_inside_it():
     start = th.allowed()
     assert start[T["<think>"]] and start[T["<"]] and start[T[" "]] and start[T["{"]] and not start[T["a"]]
     th.consume([T["<think>"]])
-    assert th.allowed() is None  # thinking is free
+    inside = th.allowed()  # thinking is free, but may not end the output: an answer is owed
+    assert inside[T["a"]] and inside[T["{"]] and inside[T["</think>"]] and not inside[EOG]
+    assert th.validate([T["a"], EOG]) == 1
     assert th.validate([T["a"], T["b"], T["\n"], T["</think>"], T["\n\n"], T["{"], T["}"], EOG]) == 8
     assert th.state.phase == "inside" and th.inner.at == 0  # validate leaves no trace
     th.consume([T["a"], T["b"]])

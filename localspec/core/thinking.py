@@ -10,7 +10,8 @@ draft model as it catches up, as every emitted token is).
 
 Phases, one per consumed token (kept on a stack, so rollback is a pop):
   start    the output may open the span: whitespace, then the open marker (else it is all answer)
-  inside   thinking, its tokens counted; the close marker (or the budget) ends it
+  inside   thinking, its tokens counted; the close marker (or the budget) ends it; with an answer grammar to
+           come, the output may not end here
   closing  over budget: the transition's tokens, forced one by one
   after    whitespace between the span and the answer (neither's)
   answer   the inner grammar's (free when there is none)
@@ -70,6 +71,7 @@ class Thinking:
         self.stack: list[_State] = [first]
         self._ahead = 0
         self._opening: np.ndarray | None = None  # start, nothing held: the tokens that may begin the marker
+        self._thinking_row: np.ndarray | None = None  # inside, with an answer grammar: all but the end
 
     @property
     def state(self) -> _State:
@@ -177,10 +179,11 @@ class Thinking:
             self.rollback(n)
 
     def _free_end(self) -> bool:
-        """Whether the end may come now (as a grammar allows it: only where the answer could end)."""
-        if self.inner is None or self.state.phase in ("inside",):
+        """Whether the end may come now: anywhere without an answer grammar; with one, only where the answer
+        could end (never inside the span: an output that ends thinking has no answer to hold to its schema)."""
+        if self.inner is None:
             return True
-        return bool(self.inner.allowed()[list(self.inner.eog)].any())
+        return self.state.phase != "inside" and bool(self.inner.allowed()[list(self.inner.eog)].any())
 
     def forced(self) -> list[int]:
         s = self.state
@@ -198,8 +201,13 @@ class Thinking:
     def allowed(self) -> np.ndarray | None:
         """Which tokens may come next, or None where any may."""
         s = self.state
-        if s.phase == "inside":
-            return None
+        if s.phase == "inside":  # thinking is free; with an answer grammar to come, it may not end the output
+            if self.inner is None:
+                return None
+            if self._thinking_row is None:
+                self._thinking_row = np.ones(self.n_vocab, dtype=bool)
+                self._thinking_row[[t for t in self.inner.eog if t < self.n_vocab]] = False
+            return self._thinking_row
         if s.phase == "closing":
             out = np.zeros(self.n_vocab, dtype=bool)
             out[self.close_tokens[s.forced]] = True
