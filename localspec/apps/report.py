@@ -62,6 +62,9 @@ def _cell(m: str, r: Run) -> str:
     return cell + (" ≠" if r.same_as_plain is False else "")
 
 
+MIN_SPAN_TOKENS = 16  # a span shorter than this in a run is left out of its speed ratio (a round or two)
+
+
 def _span_cell(rows: list[Row], m: str, span: str) -> str:
     """One span's geomean ratio to plain, and its acceptance over the prompts, for method m."""
     ratios, drafted, accepted = [], 0, 0
@@ -69,8 +72,8 @@ def _span_cell(rows: list[Row], m: str, span: str) -> str:
         mine, plain = (r.runs[m].spans or {}).get(span), (r.runs["none"].spans or {}).get(span)
         if mine is None or plain is None or r.runs[m].failed:
             continue
-        if plain["tps"] > 0:
-            ratios.append(mine["tps"] / plain["tps"])
+        if min(mine["tokens"], plain["tokens"]) >= MIN_SPAN_TOKENS and plain["tps"] > 0:
+            ratios.append(mine["tps"] / plain["tps"])  # (a span of a few tokens is one round: no speed)
         drafted, accepted = drafted + mine["drafted"], accepted + mine["accepted"]
     if not ratios:
         return "n/a"
@@ -108,7 +111,8 @@ def table(rows: list[Row], *, temperature: float = 0.0, seed: int | None = None)
                "pred A/R = prediction tokens accepted/rejected.")
     if any(run.spans for r in rows for run in r.runs.values()):
         out.append("thinking / answer: a reasoning model's spans apart: tokens/s in the span over plain's in the same "
-                   "span (geomean over prompts), and the span's acceptance (a round counts in the span it started in).")
+                   "span (geomean over the prompts where both wrote 16 tokens or more in it), and the span's "
+                   "acceptance (a round counts in the span it started in).")
     if priced:
         out.append("Within the run: the speed against plain decoding priced inside each run, its drafting rounds "
                    "against its own single-token decodes nearest them (geomean over prompts, and the lowest), free "
