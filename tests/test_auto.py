@@ -387,6 +387,7 @@ def test_calibration_plan_fits_small_contexts():
     assert plan(1000, 512)[0] == (256,)
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_calibration_measures_once_then_reads_the_cache(smol_path, tmp_path, monkeypatch, capsys):
     from localspec.core.model import Model, ModelConfig
 

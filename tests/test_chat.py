@@ -218,6 +218,7 @@ def test_non_interactive_one_message_per_line(smol_path):
     assert len(STATS.findall(r.stderr)) == 2 and "\x1b" not in r.stderr
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_long_conversations_drop_the_oldest_turns(smol_path, tmp_path):
     questions = [f"Tell me a fact about the number {i}." for i in range(1, 8)]
     saved = tmp_path / "long.json"

@@ -179,6 +179,7 @@ def test_memory_check_refuses_what_cannot_fit(smol_path):
     assert "--n-ctx" in r.stderr and "--no-memory-check" in r.stderr
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_bench_end_to_end_json(smol_path, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "kind": k, "messages": [{"role": "user", "content": c}]})

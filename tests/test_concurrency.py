@@ -82,6 +82,7 @@ def par(request, smol_path):
         yield llm
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 @pytest.mark.parametrize("head, rounds", [(600, 3), pytest.param(600, 20, marks=pytest.mark.slow),
                                           pytest.param(2500, 8, marks=pytest.mark.slow)])
 def test_clients_sharing_one_long_system_prompt_each_get_their_text_alone(par, solo, head, rounds):
@@ -262,6 +263,7 @@ def solo_1024(smol_path):
         yield llm
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_many_clients_that_cancel_and_disconnect_leave_the_server_whole(busy_server, solo_1024):
     """A seeded stress: 32 requests from 8 threads, with random shared heads, lengths, streams left midway and
     clients that give up while waiting. No 5xx, no hang, every completed reply its text alone, and nothing held

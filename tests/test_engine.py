@@ -38,6 +38,7 @@ def shadowed_pair(smol_path, tmp_path_factory):
         yield llm
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 @pytest.mark.parametrize("accept", ["rejection", "greedy", "threshold"])
 def test_draft_model_with_a_narrower_vocabulary_samples_through_every_rule(shadowed_pair, accept):
     """Case 1: the first rejection computed p - q over arrays of different widths and raised."""
@@ -53,6 +54,7 @@ def test_draft_model_with_a_narrower_vocabulary_samples_through_every_rule(shado
     assert rejected > 0
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_narrower_draft_is_lossless_at_temperature_zero(wide_pair):
     prompt = wide_pair.chat_tokens(MESSAGES)
     plain = wide_pair.generate(prompt, max_tokens=48, temperature=0, drafter="none")
@@ -84,6 +86,7 @@ def test_interleaved_streams_on_one_engine_each_get_their_own_output(smol_engine
     assert got_a == solo_a and got_b == solo_b
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_interleaved_seeded_streams_with_the_draft_model_get_their_own_output(smol_engine):
     """At T > 0 the draft's q decides acceptance draws: a draft cache rebuilt after another stream (other batch
     shapes) gave other q bits and another text, though exact mode promises each stream the text it gets alone."""
@@ -122,7 +125,7 @@ def test_k_beyond_one_decode_is_clamped_and_said(smol_engine):
     assert "note: k=1000" in r.stats.line()
 
 
-@pytest.mark.parametrize("k", [34, 48, 200])
+@pytest.mark.parametrize("k", [34, pytest.param(48, marks=pytest.mark.slow), pytest.param(200, marks=pytest.mark.slow)])
 def test_any_k_one_decode_holds_drafts_with_every_drafter(smol_engine, k):
     """k above 33 (auto's measured costs end there) crashed auto on any prompt with repeats (its statistics were
     sized for 33 positions: a broadcast ValueError), a traceback from `localspec generate -k 48` and a 500 from the
@@ -289,6 +292,7 @@ def test_exact_mode_probes_the_machine_and_refuses_what_it_cannot_keep(smol_path
         cal.exact_flash_attn(smol_path, ModelConfig(n_ctx=1100, exact=True), tmp_path)
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_the_exact_probe_looks_deep_where_kernels_change(smol_path, tmp_path):
     """The first probe (a 5-token verify ~50 tokens deep) passed flash attention on; on this CPU kind the
     kernel splits a cache of 512 cells and more across threads for a single token, and the logits differ from
@@ -525,6 +529,7 @@ def test_a_stream_read_twice_keeps_its_stats(smol_engine):
     assert list(s) == [] and s.stats is stats and len(first) == stats.generated == 6
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_a_chat_completion_without_max_tokens_runs_until_the_context_is_full(smol_path):
     """As llama-cpp-python's create_chat_completion and the server: no max_tokens is not a 256-token cut."""
     messages = [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}]

@@ -43,7 +43,7 @@ def load(path, **kw):
     return localspec.load(target=path, draft=path, n_ctx=1024, exact=True, **kw)
 
 
-@pytest.mark.parametrize("tier", ["ram", "disk"])
+@pytest.mark.parametrize("tier", [pytest.param("ram", marks=pytest.mark.slow), "disk"])
 def test_a_restored_prompt_gives_the_text_a_fresh_prefill_gives(smol_path, fresh, home, tier):
     """A kept state restored at several prefix lengths (a short head, a document, most of the context), from
     memory in the same process or from disk after a restart: token for token the text of a fresh prefill
@@ -125,6 +125,7 @@ def test_a_request_opts_out_and_a_repeated_head_is_kept_once(smol_path, home):
         assert r.stats.prompt_reused == 0
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_the_ram_tier_stays_under_its_cap(smol_path, home):
     """Many different long prompts: the states held in memory (their real bytes) stay under the cap, the least
     recently used dropped first; the latest is kept."""
