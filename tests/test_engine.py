@@ -62,6 +62,7 @@ def test_narrower_draft_is_lossless_at_temperature_zero(wide_pair):
         assert wide_pair.generate(prompt, max_tokens=48, temperature=0, drafter=drafter, p_min=0).tokens == plain.tokens
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_draft_stands_aside_for_ids_it_lacks(wide_pair):
     prompt = wide_pair.chat_tokens(MESSAGES)
     prompt.insert(3, 49_200)  # an id only the target has

@@ -189,6 +189,7 @@ def partial(tmp_path: Path) -> Path:
     return smol_ours(tmp_path).with_name(f"{SMOL_SPEC.file}.{SMOL_SPEC.sha256[:12]}.download")
 
 
+@pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
 def test_connection_dropped_every_time_fails_trusting_nothing_and_the_next_run_resumes(tmp_path, hub, env):
     f = hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)]
     f.mode = "drop_always"
