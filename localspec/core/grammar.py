@@ -220,7 +220,57 @@ def _matcher(model, grammar: str):
         return tok, LLMatcher(tok, grammar, log_level=0, limits=_limits())
 
 
-class Grammar:
+class Masked:
+    """The loop's half of a constraint: each verified row masked by the state after the draft tokens before it,
+    then the state moved to what was emitted. A subclass keeps the state (consume, rollback, first_end), says
+    what it allows next (allowed: a boolean row, or None for anything), which tokens end the output (ends) and
+    whether nothing but the end may follow (done)."""
+
+    _ahead = 0  # draft tokens consumed beyond the emitted ones (while rows are being masked)
+
+    def mask(self, row: np.ndarray) -> np.ndarray:
+        """A copy of a logit row with the tokens the constraint forbids at -inf (ids past its vocabulary too)."""
+        allowed = self.allowed()
+        if allowed is None:
+            return row
+        out = np.full(row.shape, -np.inf, dtype=row.dtype)
+        n = min(len(row), len(allowed))
+        np.copyto(out[:n], row[:n], where=allowed[:n])
+        return out
+
+    def _at(self, i: int, draft: Sequence[int]) -> bool:
+        """Put the state after draft[:i] (from the emitted tokens); True when that is past an end-of-generation
+        token, where nothing follows."""
+        k = min(i, self.first_end(draft))
+        if k < self._ahead:
+            self.rollback(self._ahead - k)
+        else:
+            self.consume(draft[self._ahead:k])
+        self._ahead = k
+        return k < i
+
+    def _row(self, row: np.ndarray, i: int, draft: Sequence[int]) -> np.ndarray:
+        if self._at(i, draft):  # after the end: a well-defined row that is never emitted from
+            out = np.full(row.shape, -np.inf, dtype=row.dtype)
+            out[self.ends()] = 0.0
+            return out
+        return self.mask(row)
+
+    def rows(self, rows, draft: Sequence[int]):
+        """The verified rows, row i masked by the state after draft[:i]; computed when first read."""
+        return Lazy(len(draft) + 1, lambda i: self._row(rows[i], i, draft))
+
+    def advance(self, emitted: Sequence[int], draft: Sequence[int]) -> bool:
+        """Move to the state after `emitted` (the accepted draft and the next token, without an end token);
+        True once the constraint is complete and nothing but the end can follow."""
+        n = next((i for i, (a, b) in enumerate(zip(emitted, draft)) if a != b), min(len(emitted), len(draft)))
+        self._at(min(n, self._ahead), draft)
+        self.consume(list(emitted[self._ahead:]))
+        self._ahead = 0
+        return self.done()
+
+
+class Grammar(Masked):
     """An llguidance matcher whose state follows the emitted tokens; row masks for each verified position."""
 
     span = ""
@@ -232,7 +282,6 @@ class Grammar:
         self.tok, self.matcher = _deep(_matcher, model, grammar)  # it compiles the grammar again (see STACK)
         self.eog = frozenset(self.tok.eos_tokens)
         self._check()
-        self._ahead = 0  # draft tokens consumed beyond the emitted ones (while rows are being masked)
         self._spelled: dict[tuple, bool] = {}  # _spelled_so's answers
 
     def _check(self) -> None:
@@ -320,42 +369,8 @@ class Grammar:
             raise GrammarError("the grammar allows no token here")
         return allowed
 
-    def mask(self, row: np.ndarray) -> np.ndarray:
-        """A copy of a logit row with the tokens the grammar forbids at -inf (ids past its vocabulary too)."""
-        allowed = self.allowed()
-        out = np.full(row.shape, -np.inf, dtype=row.dtype)
-        n = min(len(row), len(allowed))
-        np.copyto(out[:n], row[:n], where=allowed[:n])
-        return out
+    def ends(self) -> list[int]:
+        return sorted(self.eog)
 
-    # -- for the loop --
-    def _at(self, i: int, draft: Sequence[int]) -> bool:
-        """Put the matcher in the state after draft[:i] (from the emitted tokens); True when that is past an
-        end-of-generation token, where nothing follows."""
-        k = min(i, self.first_end(draft))
-        if k < self._ahead:
-            self.rollback(self._ahead - k)
-        else:
-            self.consume(draft[self._ahead:k])
-        self._ahead = k
-        return k < i
-
-    def _row(self, row: np.ndarray, i: int, draft: Sequence[int]) -> np.ndarray:
-        if self._at(i, draft):  # after the end: a well-defined row that is never emitted from
-            out = np.full(row.shape, -np.inf, dtype=row.dtype)
-            out[list(self.eog)] = 0.0
-            return out
-        return self.mask(row)
-
-    def rows(self, rows, draft: Sequence[int]):
-        """The verified rows, row i masked by the state after draft[:i]; computed when first read."""
-        return Lazy(len(draft) + 1, lambda i: self._row(rows[i], i, draft))
-
-    def advance(self, emitted: Sequence[int], draft: Sequence[int]) -> bool:
-        """Move to the state after `emitted` (the accepted draft and the next token, without an end token);
-        True once the grammar is complete and nothing but the end can follow."""
-        n = next((i for i, (a, b) in enumerate(zip(emitted, draft)) if a != b), min(len(emitted), len(draft)))
-        self._at(min(n, self._ahead), draft)
-        self.consume(list(emitted[self._ahead:]))
-        self._ahead = 0
+    def done(self) -> bool:
         return self.matcher.is_stopped()

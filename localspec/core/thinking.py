@@ -23,7 +23,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .acceptance import Lazy
+from .grammar import Masked
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _tables(model) -> tuple[list[str], np.ndarray]:
     return t
 
 
-class Thinking:
+class Thinking(Masked):
     """The span of one request's output, over `inner` (a Grammar for the answer, or None: a free answer)."""
 
     def __init__(self, model, span: Span, inner=None):
@@ -69,7 +69,6 @@ class Thinking:
         self.close_tokens = model.tokenize(span.transition(), add_special=False)
         first = self._enter_inside(0, "") if span.inside else _State("start", 0, "", (), 0, 0)
         self.stack: list[_State] = [first]
-        self._ahead = 0
         self._opening: np.ndarray | None = None  # start, nothing held: the tokens that may begin the marker
         self._thinking_row: np.ndarray | None = None  # inside, with an answer grammar: all but the end
 
@@ -242,40 +241,10 @@ class Thinking:
                 self.inner.rollback(len(held))
         return out
 
-    def mask(self, row: np.ndarray) -> np.ndarray:
-        allowed = self.allowed()
-        if allowed is None:
-            return row
-        out = np.full(row.shape, -np.inf, dtype=row.dtype)
-        n = min(len(row), len(allowed))
-        np.copyto(out[:n], row[:n], where=allowed[:n])
-        return out
+    # ---- the grammar protocol: for the loop (the rest is Masked's) ----
+    def ends(self) -> list[int]:
+        return sorted(self.inner.eog) if self.inner is not None else [self.model.eos]
 
-    # ---- the grammar protocol: for the loop ----
-    def _at(self, i: int, draft: Sequence[int]) -> bool:
-        k = min(i, self.first_end(draft))
-        if k < self._ahead:
-            self.rollback(self._ahead - k)
-        else:
-            self.consume(draft[self._ahead:k])
-        self._ahead = k
-        return k < i
-
-    def _row(self, row: np.ndarray, i: int, draft: Sequence[int]) -> np.ndarray:
-        if self._at(i, draft):  # after the end: a well-defined row that is never emitted from
-            out = np.full(row.shape, -np.inf, dtype=row.dtype)
-            out[sorted(self.inner.eog) if self.inner is not None else [self.model.eos]] = 0.0
-            return out
-        return self.mask(row)
-
-    def rows(self, rows, draft: Sequence[int]):
-        return Lazy(len(draft) + 1, lambda i: self._row(rows[i], i, draft))
-
-    def advance(self, emitted: Sequence[int], draft: Sequence[int]) -> bool:
-        """Move to the state after `emitted`; True once the answer's grammar is complete."""
-        n = next((i for i, (a, b) in enumerate(zip(emitted, draft)) if a != b), min(len(emitted), len(draft)))
-        k = min(n, self._ahead)
-        self.rollback(self._ahead - k)
-        self.consume(list(emitted[k:]))
-        self._ahead = 0
+    def done(self) -> bool:
+        """True once the answer's grammar is complete."""
         return self.state.phase == "answer" and self.inner is not None and self.inner.matcher.is_stopped()
