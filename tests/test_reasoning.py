@@ -252,6 +252,12 @@ def test_a_request_budget_capped_by_the_server_counts_the_thinking_tokens(smol_e
         assert message["reasoning_content"] == message["reasoning"] and "</think>" not in message["reasoning_content"]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == (message["reasoning_content"] or "")
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    # usage gives each span's accepted drafts as well (a draft of the same model: most tokens are drafted)
+    details, spans = used["completion_tokens_details"], r["localspec"]["spans"]
+    accepted = [details["reasoning_accepted_draft_tokens"], details["answer_accepted_draft_tokens"]]
+    assert accepted == [spans["reasoning"]["from_draft"], spans["answer"]["from_draft"]]
+    assert sum(accepted) == r["localspec"]["accepted"] and accepted[0] <= reasoning
+    assert most is None or sum(accepted) > 0  # (unforced, the 7-token output is over before auto drafts)
 
 
 @pytest.mark.parametrize("value", [-2, 1.5, "10", True])
@@ -288,6 +294,8 @@ def test_the_openai_client_reads_the_thinking_under_both_names_and_calls_a_tool_
         assert _extra(m, "reasoning_content") and _extra(m, "reasoning") == _extra(m, "reasoning_content")
         assert m.content and "</think>" not in m.content
         assert r.usage.completion_tokens_details.reasoning_tokens > 0
+        for name in ("reasoning_accepted_draft_tokens", "answer_accepted_draft_tokens"):  # kept as extra fields
+            assert isinstance(_extra(r.usage.completion_tokens_details, name), int)
         chunks = list(client.chat.completions.create(model="any", messages=ASK, max_tokens=30, temperature=0,
                                                      stream=True))
         deltas = [c.choices[0].delta for c in chunks if c.choices]

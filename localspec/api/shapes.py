@@ -15,11 +15,15 @@ from ..core.text import StopStrings
 def usage(stats, spans=None) -> dict:
     """OpenAI's usage; prediction tokens are counted as speculation sees them: accepted = drafted from the
     prediction and accepted, rejected = drafted from it and rejected (verified by the model, then dropped).
-    With a thinking span, its tokens (markers included) are reasoning_tokens, as OpenAI counts them."""
+    With a thinking span, its tokens (markers included) are reasoning_tokens, as OpenAI counts them, and (our
+    own keys, which OpenAI clients keep as extra fields) each span's tokens that were drafted and accepted:
+    reasoning_accepted_draft_tokens and answer_accepted_draft_tokens."""
     details = {"accepted_prediction_tokens": stats.accepted_prediction,
                "rejected_prediction_tokens": stats.drafted_prediction - stats.accepted_prediction}
     if spans is not None:
         details["reasoning_tokens"] = spans.counts["reasoning"]["tokens"]
+        for span in ("reasoning", "answer"):
+            details[f"{span}_accepted_draft_tokens"] = spans.counts[span]["from_draft"]
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated,
             "total_tokens": stats.prompt_tokens + stats.generated,
             "prompt_tokens_details": {"cached_tokens": stats.prompt_reused},
