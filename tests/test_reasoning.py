@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from localspec.api.reasoning import THINK, Spans, markers_of, opens_in_prompt
+from localspec.api.reasoning import HARMONY, THINK, Spans, markers_of, opens_in_prompt
 
 
-def split(text: str, inside: bool = False, cuts: list[int] | None = None) -> tuple[str, str]:
+def split(text: str, inside: bool = False, cuts: list[int] | None = None, markers=THINK) -> tuple[str, str]:
     """(reasoning, answer) of text fed in the pieces `cuts` makes (one piece when None)."""
-    s, pieces, at = Spans(THINK, inside), [], 0
+    s, pieces, at = Spans(markers, inside), [], 0
     for c in [*(cuts or []), len(text)]:
         pieces += s.feed(text[at:c])
         at = c
@@ -46,6 +46,28 @@ def test_spans_split_alike_however_the_text_is_streamed(text, inside, want):
         assert split(text, inside, cuts) == want
 
 
+# gpt-oss's output as its text comes: <|end|> is a control token (no text), the channel tokens render as text
+HARMONY_CASES = [
+    ("<|channel|>analysis<|message|>Weigh it.<|start|>assistant<|channel|>final<|message|>The answer.", False,
+     ("Weigh it.", "The answer.")),
+    ("Weigh it.<|start|>assistant<|channel|>final<|message|>Yes", True, ("Weigh it.", "Yes")),
+    ("<|channel|>analysis<|message|>cut short", False, ("cut short", "")),
+    ("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>Write <|channel|>analysis", False,
+     ("a", "Write <|channel|>analysis")),
+    ("Plain answer", False, ("", "Plain answer")),
+]
+
+
+@pytest.mark.parametrize("text, inside, want", HARMONY_CASES)
+def test_gpt_oss_channels_split_alike_however_the_text_is_streamed(text, inside, want):
+    assert split(text, inside, markers=HARMONY) == want
+    assert split(text, inside, list(range(1, len(text))), markers=HARMONY) == want
+    rnd = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rnd.sample(range(1, len(text)), rnd.randint(0, 4)))
+        assert split(text, inside, cuts, markers=HARMONY) == want
+
+
 def test_a_stream_never_takes_back_what_it_showed():
     """Everything fed is shown as it comes except what may be the start of a marker."""
     s = Spans(THINK)
@@ -74,6 +96,12 @@ def test_markers_come_from_the_template():
     assert markers_of("{{ messages[0].content }}<|im_start|>assistant\n") is None
     assert markers_of(None) is None
     assert markers_of("mentions <think> only") is None
+    gpt_oss = ('{{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}'
+               '{{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}'
+               '{{- "Reasoning: " + reasoning_effort + "\\n\\n" }}{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}')
+    assert markers_of(gpt_oss) == HARMONY
+    assert not opens_in_prompt("<|start|>user<|message|>Hi<|end|><|start|>assistant", HARMONY)
+    assert opens_in_prompt("<|start|>assistant<|channel|>analysis<|message|>", HARMONY)
 
 
 def test_a_prompt_that_opens_the_span():
@@ -403,3 +431,39 @@ def test_generate_chat_json_gives_the_reasoning_and_the_content(smol_path, tmp_p
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["reasoning"] and out["content"] and out["text"].startswith(out["reasoning"])
     assert set(out["stats"]["spans"]) == {"thinking", "answer"}
+
+
+# a stand-in for gpt-oss's template (harmony format) on SmolLM2: it opens the analysis channel in the prompt
+HARMONY_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                    "{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
+                    "{#- earlier turns: <|start|>assistant<|channel|>final<|message|> #}"
+                    "{%- if add_generation_prompt %}<|start|>assistant<|channel|>analysis<|message|>{%- endif %}")
+
+
+def test_gpt_oss_channels_through_the_server_with_a_budget_and_reasoning_effort(smol_engine, monkeypatch):
+    """The analysis channel is the reasoning, the final channel the content; the budget forces harmony's own
+    end (<|end|>, then the final channel's header), the same whatever drafts it; effort reaches the template."""
+    from starlette.testclient import TestClient
+
+    from localspec.api.server import create_app
+    from localspec.core.thinking import Span
+
+    monkeypatch.setattr(smol_engine.target, "chat_template", lambda: HARMONY_TEMPLATE)
+    assert "Reasoning: low" in smol_engine.render_chat(ASK, variables={"reasoning_effort": "low"})
+    forced = smol_engine.tokenize(HARMONY.end, add_special=False)
+    body = {"messages": ASK, "max_tokens": 40, "temperature": 0, "reasoning_effort": "low"}
+    with TestClient(create_app(smol_engine, reasoning_budget=5), base_url="http://127.0.0.1") as client:
+        r = client.post("/v1/chat/completions", json=body).json()
+        deltas = _stream(client, body)
+    message, used = r["choices"][0]["message"], r["usage"]
+    assert used["completion_tokens_details"]["reasoning_tokens"] == 5 + len(forced)  # in SmolLM2, <|end|> is text
+    assert message["reasoning_content"].removesuffix("<|end|>") and "<|channel|>" not in message["reasoning_content"]
+    assert message["content"] and "<|channel|>" not in message["content"] and "<|message|>" not in message["content"]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    prompt = smol_engine.render_chat(ASK, variables={"reasoning_effort": "low"})
+    span = Span(HARMONY.open, HARMONY.close, True, 5, HARMONY.end)
+    runs = {d: smol_engine.generate(prompt, max_tokens=len(forced) + 12, temperature=0, drafter=d, span=span)
+            for d in ("none", "model", "auto")}
+    assert runs["none"].tokens[5:5 + len(forced)] == forced
+    assert runs["model"].tokens == runs["none"].tokens == runs["auto"].tokens

@@ -3,7 +3,9 @@
 Which markers a model uses is read from its chat template, not guessed from its output: a template that writes
 both `<think>` and `</think>` (Qwen3, DeepSeek-R1 distills, SmolLM3, GLM) has a span; one that writes neither has
 none, and its whole output is answer. A template may open the span itself, at the end of the prompt (R1
-distills' later templates, Qwen3 with thinking on): then the output starts inside it.
+distills' later templates, Qwen3 with thinking on): then the output starts inside it. gpt-oss's harmony format
+is read the same way: its analysis channel is the span, its final channel the answer (its commentary channel,
+where it calls tools, is not parsed: see docs/server.md).
 
 The span is recognised once, where the output starts (after any whitespace), or from the prompt: after it closes
 everything is answer, so a literal `<think>` the answer writes (code about tags, a quote) stays answer. Text that
@@ -22,15 +24,24 @@ from ..core.thinking import Span
 class Markers:
     open: str
     close: str
+    end: str = ""  # what a budget forces to close the span ('' : the close marker on its own line)
 
 
 THINK = Markers("<think>", "</think>")
+# gpt-oss (OpenAI's harmony format): the analysis channel is the thinking, the final channel the answer. Between
+# them `<|end|>`, a control token that renders as nothing; llama.cpp renders the channel tokens as text.
+HARMONY = Markers("<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>",
+                  "<|end|><|start|>assistant<|channel|>final<|message|>")
 
 
 def markers_of(template: str | None) -> Markers | None:
     """The thinking markers a chat template writes, or None where it writes none (no reasoning span)."""
-    if template and THINK.open in template and THINK.close in template:
+    if not template:
+        return None
+    if THINK.open in template and THINK.close in template:
         return THINK
+    if "<|channel|>analysis<|message|>" in template and "<|channel|>final<|message|>" in template:
+        return HARMONY
     return None
 
 
@@ -49,7 +60,7 @@ def span_for(llm, messages: list[dict], *, tools=None, variables: dict | None = 
     if markers is None:
         return None
     inside = opens_in_prompt(llm.render_chat(messages, tools=tools, variables=variables), markers)
-    return Span(markers.open, markers.close, inside, budget)
+    return Span(markers.open, markers.close, inside, budget, markers.end)
 
 
 def split(text: str, span: Span | None) -> tuple[str | None, str]:
@@ -167,7 +178,8 @@ def template_variables(body: dict, template: str | None, reserved: frozenset) ->
     """The variables a chat request gives its chat template: `chat_template_kwargs` (names that are no
     identifier, or that would replace what every template is given, are refused), and `reasoning_effort`
     "none" as `enable_thinking` false, which a template that thinks must read (else the request is refused:
-    the thinking could not be turned off). Other efforts change nothing yet: no budget is tied to them."""
+    the thinking could not be turned off); low, medium and high reach a template that reads `reasoning_effort`
+    (gpt-oss's), and change nothing elsewhere: no budget is tied to them."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         kwargs = {}
@@ -190,4 +202,6 @@ def template_variables(body: dict, template: str | None, reserved: frozenset) ->
                 raise FieldError("reasoning_effort 'none': this model's chat template cannot turn its thinking "
                                  "off (it reads no enable_thinking)", "reasoning_effort")
             variables.setdefault("enable_thinking", False)
+        elif effort in ("low", "medium", "high") and "reasoning_effort" in (template or ""):
+            variables.setdefault("reasoning_effort", effort)  # gpt-oss's template: "Reasoning: low"
     return variables

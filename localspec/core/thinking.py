@@ -35,10 +35,12 @@ class Span:
     close: str = "</think>"
     inside: bool = False
     budget: int | None = None
+    end: str = ""  # what the budget forces, where the format has its own ('' : the usual transition)
 
     def transition(self) -> str:
-        """What is forced when the budget runs out: the end marker on a line of its own, then a blank line."""
-        return f"\n{self.close}\n\n"
+        """What is forced when the budget runs out: the format's own end, else the end marker on a line of its
+        own, then a blank line."""
+        return self.end or f"\n{self.close}\n\n"
 
 
 class _State(NamedTuple):
