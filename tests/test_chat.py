@@ -36,12 +36,28 @@ def chat_args(smol, *extra, n_ctx=1024, max_tokens=N):
             "--temperature", "0", "--max-tokens", str(max_tokens), *extra]
 
 
+_REFERENCE: dict[int, localspec.Engine] = {}  # per n_ctx: an engine without a prompt cache, emptied before each use
+
+
 def fresh(smol, messages, *, max_tokens=N, n_ctx=1024):
-    """(reply, prompt tokens) of a freshly loaded engine for this conversation."""
+    """(reply, prompt tokens) of a fresh engine for this conversation: one loaded for the module, without a prompt
+    cache, its contexts emptied first (in exact mode its text is a freshly loaded engine's)."""
     msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-    with localspec.load(target=smol, draft=smol, n_ctx=n_ctx, exact=True) as llm:
-        tokens = llm.chat_tokens(msgs)
-        return llm.generate(tokens, temperature=0, max_tokens=max_tokens, drafter="model").text, len(tokens)
+    llm = _REFERENCE.get(n_ctx)
+    if llm is None:
+        llm = _REFERENCE[n_ctx] = localspec.load(target=smol, draft=smol, n_ctx=n_ctx, exact=True, prompt_cache_mb=0,
+                                                 prompt_cache_disk_mb=0)
+    llm.target.truncate(0)
+    llm.draft.truncate(0)
+    tokens = llm.chat_tokens(msgs)
+    return llm.generate(tokens, temperature=0, max_tokens=max_tokens, drafter="model").text, len(tokens)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_reference():
+    yield
+    while _REFERENCE:
+        _REFERENCE.popitem()[1].close()
 
 
 def norm(text: str) -> str:

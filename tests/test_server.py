@@ -969,6 +969,11 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+# the Qwen pair's tool calls (a 1.5B model behind a server, 30 s here): in the slow tier, which CI runs; the default
+# run checks the same paths with SmolLM2 (test_tool_*, test_stop_strings_end_a_replys_content_not_its_calls)
+QWEN_TOOLS = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def qwen_server(qwen_paths, tmp_path_factory):
     """The Qwen pair: its chat template writes Hermes-style <tool_call> calls."""
@@ -978,6 +983,7 @@ def qwen_server(qwen_paths, tmp_path_factory):
     s.stop()
 
 
+@QWEN_TOOLS
 def test_tools_auto_calls_when_asked_and_answers_in_prose_when_not(qwen_server):
     client = qwen_server.client()
     r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "What's the weather in "
@@ -995,6 +1001,7 @@ def test_tools_auto_calls_when_asked_and_answers_in_prose_when_not(qwen_server):
     assert r.choices[0].message.content and "<tool_call>" not in r.choices[0].message.content
 
 
+@QWEN_TOOLS
 def test_a_stop_string_ends_the_content_not_a_call(qwen_server):
     """stop ["\\n"] with tools: Qwen writes '<tool_call>\\n{...}', and the stop string ended the reply inside
     the call's markup: it came back with neither content nor a call."""
@@ -1026,6 +1033,7 @@ def test_a_stop_string_ends_the_content_not_a_call(qwen_server):
         assert content and "\n" not in content and finish == "stop" and used == read < 60, (content, used, read)
 
 
+@QWEN_TOOLS
 def test_tools_required_named_and_streamed(qwen_server):
     client = qwen_server.client()
     ask = [{"role": "user", "content": "I am flying to Tokyo tomorrow."}]
@@ -1055,6 +1063,7 @@ def test_tools_required_named_and_streamed(qwen_server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@QWEN_TOOLS
 def test_a_tool_result_goes_back_through_the_template(qwen_server):
     client = qwen_server.client()
     messages = [{"role": "system", "content": "Use the tool results to answer the user in one sentence."},
