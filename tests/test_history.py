@@ -165,21 +165,21 @@ def test_an_answer_asked_again_is_drafted_from_history_and_stays_plains(smol_eng
     request that opts out neither drafts from it nor adds to it; another scope sees nothing."""
     monkeypatch.setattr(smol_engine, "history", History(4))
     prompt = smol_engine.chat_tokens(FIB)
-    plain = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter="none")  # kept: history is on
+    plain = smol_engine.generate(prompt, max_tokens=48, temperature=0, drafter="none")  # kept: history is on
     assert plain.stats.drafted_history == 0
-    again = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter="auto")
+    again = smol_engine.generate(prompt, max_tokens=48, temperature=0, drafter="auto")
     assert again.tokens == plain.tokens
     s = again.stats
     assert s.drafted_history > 32 and s.accepted_history == s.drafted_history  # the same answer, drafted whole
     assert "history" in s.line()
-    off = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter="auto", history=False)
+    off = smol_engine.generate(prompt, max_tokens=48, temperature=0, drafter="auto", history=False)
     assert off.tokens == plain.tokens and off.stats.drafted_history == 0
-    other = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter="auto", scope="someone-else")
+    other = smol_engine.generate(prompt, max_tokens=48, temperature=0, drafter="auto", scope="someone-else")
     assert other.tokens == plain.tokens and other.stats.drafted_history == 0
     # a different question whose answer shares a shape: drafted where it repeats, and still plain's text
-    plain2 = smol_engine.generate(smol_engine.chat_tokens(OTHER), max_tokens=64, temperature=0, drafter="none",
+    plain2 = smol_engine.generate(smol_engine.chat_tokens(OTHER), max_tokens=48, temperature=0, drafter="none",
                                   history=False)
-    spec2 = smol_engine.generate(smol_engine.chat_tokens(OTHER), max_tokens=64, temperature=0, drafter="auto")
+    spec2 = smol_engine.generate(smol_engine.chat_tokens(OTHER), max_tokens=48, temperature=0, drafter="auto")
     assert spec2.tokens == plain2.tokens
 
 

@@ -35,7 +35,7 @@ def test_self_draft_accepts_every_drafted_token(smol_engine, smol_path):
 @pytest.fixture(scope="module")
 def plain_reply(smol_engine):
     """Plain decoding's reply to MESSAGES (exact mode: the same however often it is asked)."""
-    return smol_engine.generate(smol_engine.chat_tokens(MESSAGES), max_tokens=64, temperature=0, drafter="none")
+    return smol_engine.generate(smol_engine.chat_tokens(MESSAGES), max_tokens=40, temperature=0, drafter="none")
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
@@ -43,7 +43,7 @@ def plain_reply(smol_engine):
 def test_speculative_greedy_equals_plain(smol_engine, drafter, accept, plain_reply):
     prompt = smol_engine.chat_tokens(MESSAGES)
     plain = plain_reply
-    spec = smol_engine.generate(prompt, max_tokens=64, temperature=0, drafter=drafter, accept=accept, k=5, p_min=0)
+    spec = smol_engine.generate(prompt, max_tokens=40, temperature=0, drafter=drafter, accept=accept, k=5, p_min=0)
     assert spec.tokens == plain.tokens
     assert spec.text == plain.text
 
