@@ -455,6 +455,8 @@ def test_gpt_oss_channels_through_the_server_with_a_budget_and_reasoning_effort(
     with TestClient(create_app(smol_engine, reasoning_budget=5), base_url="http://127.0.0.1") as client:
         r = client.post("/v1/chat/completions", json=body).json()
         deltas = _stream(client, body)
+        tools = client.post("/v1/chat/completions", json=body | {"tools": [WEATHER]})  # its calls: not read yet
+        assert tools.status_code == 400 and "no tool-call format localspec knows" in tools.json()["error"]["message"]
     message, used = r["choices"][0]["message"], r["usage"]
     assert used["completion_tokens_details"]["reasoning_tokens"] == 5 + len(forced)  # in SmolLM2, <|end|> is text
     assert message["reasoning_content"].removesuffix("<|end|>") and "<|channel|>" not in message["reasoning_content"]

@@ -4,8 +4,8 @@ Which markers a model uses is read from its chat template, not guessed from its 
 both `<think>` and `</think>` (Qwen3, DeepSeek-R1 distills, SmolLM3, GLM) has a span; one that writes neither has
 none, and its whole output is answer. A template may open the span itself, at the end of the prompt (R1
 distills' later templates, Qwen3 with thinking on): then the output starts inside it. gpt-oss's harmony format
-is read the same way: its analysis channel is the span, its final channel the answer (its commentary channel,
-where it calls tools, is not parsed: see docs/server.md).
+is read the same way: its analysis channel is the span, its final channel the answer (its tool calls, in the
+commentary channel, are not read: a request with tools is refused, see docs/server.md).
 
 The span is recognised once, where the output starts (after any whitespace), or from the prompt: after it closes
 everything is answer, so a literal `<think>` the answer writes (code about tags, a quote) stays answer. Text that
