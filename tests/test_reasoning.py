@@ -46,14 +46,16 @@ def test_spans_split_alike_however_the_text_is_streamed(text, inside, want):
         assert split(text, inside, cuts) == want
 
 
-# gpt-oss's output as its text comes: <|end|> is a control token (no text), the channel tokens render as text
+# gpt-oss's output as its text comes (llama.cpp renders its channel tokens and <|end|> as text)
 HARMONY_CASES = [
-    ("<|channel|>analysis<|message|>Weigh it.<|start|>assistant<|channel|>final<|message|>The answer.", False,
+    ("<|channel|>analysis<|message|>Weigh it.<|end|><|start|>assistant<|channel|>final<|message|>The answer.", False,
      ("Weigh it.", "The answer.")),
-    ("Weigh it.<|start|>assistant<|channel|>final<|message|>Yes", True, ("Weigh it.", "Yes")),
-    ("<|channel|>analysis<|message|>cut short", False, ("cut short", "")),
-    ("<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>Write <|channel|>analysis", False,
-     ("a", "Write <|channel|>analysis")),
+    ("Weigh it.<|end|><|start|>assistant<|channel|>final<|message|>Yes", True, ("Weigh it.", "Yes")),
+    ("<|channel|>analysis<|message|>cut short<|end|>", False, ("cut short<|end|>", "")),
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>Write <|channel|>analysis",
+     False, ("a", "Write <|channel|>analysis")),
+    ("<|channel|>final<|message|>Straight to it.", False, ("", "Straight to it.")),  # no analysis: all answer
+    ("<|channel|>fin", False, ("", "<|channel|>fin")),  # only looked like a header
     ("Plain answer", False, ("", "Plain answer")),
 ]
 
@@ -66,6 +68,23 @@ def test_gpt_oss_channels_split_alike_however_the_text_is_streamed(text, inside,
     for _ in range(20):
         cuts = sorted(rnd.sample(range(1, len(text)), rnd.randint(0, 4)))
         assert split(text, inside, cuts, markers=HARMONY) == want
+
+
+def test_gpt_oss_header_tokens_count_in_their_part():
+    s = Spans(HARMONY)
+    for text in ["<|channel|>", "analysis", "<|message|>", "Hm", "<|end|>", "<|start|>", "assistant", "<|channel|>",
+                 "final", "<|message|>", "Yes"]:
+        s.token(text)
+    assert s.counts["reasoning"]["tokens"] == 10 and s.counts["answer"]["tokens"] == 1  # markers: the span's
+    direct = Spans(HARMONY)
+    for text in ["<|channel|>", "final", "<|message|>", "Yes"]:
+        direct.token(text)
+    assert direct.counts["reasoning"]["tokens"] == 0 and direct.counts["answer"]["tokens"] == 4
+    cut = Spans(HARMONY)  # the output ends on what only looked like the open marker's beginning: answer
+    cut.token("<|channel|>", True)
+    assert cut.counts["answer"]["tokens"] == 0
+    cut.finish()
+    assert cut.counts["answer"] == {"tokens": 1, "from_draft": 1}
 
 
 def test_a_stream_never_takes_back_what_it_showed():
@@ -458,8 +477,8 @@ def test_gpt_oss_channels_through_the_server_with_a_budget_and_reasoning_effort(
         tools = client.post("/v1/chat/completions", json=body | {"tools": [WEATHER]})  # its calls: not read yet
         assert tools.status_code == 400 and "no tool-call format localspec knows" in tools.json()["error"]["message"]
     message, used = r["choices"][0]["message"], r["usage"]
-    assert used["completion_tokens_details"]["reasoning_tokens"] == 5 + len(forced)  # in SmolLM2, <|end|> is text
-    assert message["reasoning_content"].removesuffix("<|end|>") and "<|channel|>" not in message["reasoning_content"]
+    assert used["completion_tokens_details"]["reasoning_tokens"] == 5 + len(forced)
+    assert message["reasoning_content"] and "<|" not in message["reasoning_content"]
     assert message["content"] and "<|channel|>" not in message["content"] and "<|message|>" not in message["content"]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == message["content"]

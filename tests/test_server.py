@@ -970,8 +970,65 @@ TIME = {"type": "function", "function": {
 
 
 # the Qwen pair's tool calls (a 1.5B model behind a server, 30 s here): in the slow tier, which CI runs; the default
-# run checks the same paths with SmolLM2 (test_tool_*, test_stop_strings_end_a_replys_content_not_its_calls)
+# run checks their paths with SmolLM2 under a Hermes-style template (test_tool_choice_named_required_and_a_tool_
+# result_with_smollm2, test_tool_*, test_stop_strings_end_a_replys_content_not_its_calls), though not whether a
+# model that knows tools calls one when asked and answers in prose when not
 QWEN_TOOLS = pytest.mark.slow
+
+# a Hermes-style template (as Qwen2.5's writes calls and results) for SmolLM2, which has none of its own
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions. Reply with <tool_call>{\"name\": NAME, "
+    "\"arguments\": ARGS}</tool_call>.\n{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{%- for c in m.tool_calls %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}"
+    "<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_tool_choice_named_required_and_a_tool_result_with_smollm2(smol_engine, monkeypatch):
+    """The paths of the Qwen checks below, by default: a named tool_choice end to end (whole and streamed), the
+    required grammar's end after `</tool_call>\n` with parallel calls allowed, and a tool result rendered back
+    through the template."""
+    from starlette.testclient import TestClient
+
+    from localspec.api.tools import HERMES, check_tools, for_template
+    from localspec.core.grammar import Grammar, compile_spec
+
+    monkeypatch.setattr(smol_engine.target, "chat_template", lambda: HERMES_TEMPLATE)
+    ask = [{"role": "user", "content": "I am flying to Tokyo tomorrow."}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    body = {"messages": ask, "tools": [WEATHER, TIME], "tool_choice": named, "max_tokens": 64, "temperature": 0}
+    with TestClient(create_app(smol_engine), base_url="http://127.0.0.1") as client:
+        r = client.post(CHAT, json=body).json()
+        choice = r["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_time"
+        assert set(json.loads(call["function"]["arguments"])) == {"city"}
+        with client.stream("POST", CHAT, json=body | {"stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        deltas = [tc for e in events if e["choices"] for tc in e["choices"][0]["delta"].get("tool_calls") or []]
+        assert deltas[0]["function"]["name"] == "get_time"
+        assert "".join(d["function"].get("arguments") or "" for d in deltas) == call["function"]["arguments"]
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # the call and its result go back through the template
+        messages = ask + [choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "18°C, sunny"}]
+        r = client.post(CHAT, json={"messages": messages, "tools": [WEATHER, TIME], "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+    rendered = smol_engine.render_chat(for_template(messages), tools=[WEATHER, TIME])
+    assert "<tool_response>\n18°C, sunny\n</tool_response>" in rendered
+    assert json.dumps({"name": "get_time", "arguments": json.loads(call["function"]["arguments"])}) in rendered
+    assert r.json()["usage"]["prompt_tokens"] == len(smol_engine.tokenize(rendered, add_special=False))
+    # required, parallel calls allowed: the reply may end after a call and the template's line break
+    g = Grammar(smol_engine.target, compile_spec(grammar=HERMES.grammar(check_tools([WEATHER]), "required", True,
+                                                                         lambda t: None)))
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    tokens = smol_engine.target.tokenize(text, add_special=False, parse_special=False)
+    assert g.validate(tokens) == len(tokens)
+    g.consume(tokens)
+    assert g.allowed()[sorted(g.eog)].any()
 
 
 @pytest.fixture(scope="module")

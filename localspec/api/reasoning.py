@@ -25,13 +25,19 @@ class Markers:
     open: str
     close: str
     end: str = ""  # what a budget forces to close the span ('' : the close marker on its own line)
+    lead: str = ""  # what may open the answer where the output starts without a span ('' : nothing)
+
+    @classmethod
+    def of(cls, span: Span) -> "Markers":
+        return cls(span.open, span.close, span.end, span.lead)
 
 
 THINK = Markers("<think>", "</think>")
-# gpt-oss (OpenAI's harmony format): the analysis channel is the thinking, the final channel the answer. Between
-# them `<|end|>`, a control token that renders as nothing; llama.cpp renders the channel tokens as text.
-HARMONY = Markers("<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>",
-                  "<|end|><|start|>assistant<|channel|>final<|message|>")
+# gpt-oss (OpenAI's harmony format): the analysis channel is the thinking, the final channel the answer (opened
+# without an analysis channel too). llama.cpp renders these tokens as text, <|end|> included.
+_FINAL = "<|start|>assistant<|channel|>final<|message|>"
+HARMONY = Markers("<|channel|>analysis<|message|>", "<|end|>" + _FINAL, "<|end|>" + _FINAL,
+                  "<|channel|>final<|message|>")
 
 
 def markers_of(template: str | None) -> Markers | None:
@@ -60,14 +66,14 @@ def span_for(llm, messages: list[dict], *, tools=None, variables: dict | None = 
     if markers is None:
         return None
     inside = opens_in_prompt(llm.render_chat(messages, tools=tools, variables=variables), markers)
-    return Span(markers.open, markers.close, inside, budget, markers.end)
+    return Span(markers.open, markers.close, inside, budget, markers.end, markers.lead)
 
 
 def split(text: str, span: Span | None) -> tuple[str | None, str]:
     """A whole reply's (thinking, answer); thinking is None where there is no span."""
     if span is None:
         return None, text
-    s = Spans(Markers(span.open, span.close), span.inside)
+    s = Spans(Markers.of(span), span.inside)
     pieces = s.feed(text) + s.finish()
     return "".join(t for r, t in pieces if r), "".join(t for r, t in pieces if not r)
 
@@ -86,11 +92,13 @@ class Spans:
 
     def __init__(self, markers: Markers, inside: bool = False):
         self.markers = markers
-        self.state = "inside" if inside else "start"  # start -> inside -> after -> answer, or start -> answer
+        # start -> inside -> after -> answer; start -> answer; start -> lead (an answer's own opening) -> answer
+        self.state = "inside" if inside else "start"
         self.held = ""
         self.reasoning_chars = 0
         # per span, the generated tokens and those of them drafted and accepted (token())
         self.counts = {span: {"tokens": 0, "from_draft": 0} for span in ("reasoning", "answer")}
+        self._undecided: list[bool] = []  # start: tokens that may be the open marker's (from_draft each)
 
     def feed(self, text: str) -> list[tuple[bool, str]]:
         self.held += text
@@ -101,7 +109,9 @@ class Spans:
                 s = self.held.lstrip()
                 if s.startswith(m.open):
                     self.held, self.state = s[len(m.open):], "inside"
-                elif not s or m.open.startswith(s):
+                elif m.lead and s.startswith(m.lead):  # the answer's own opening: neither's text
+                    self.held, self.state = s[len(m.lead):], "lead"
+                elif not s or m.open.startswith(s) or m.lead.startswith(s):
                     break  # whitespace, or what may yet be the open marker: wait for more
                 else:
                     self.state = "answer"  # no span: the answer is everything, whitespace and all
@@ -115,7 +125,7 @@ class Spans:
                     out.append((True, self.held[:len(self.held) - keep]))
                     self.held = self.held[len(self.held) - keep:]
                     break
-            elif self.state == "after":  # the whitespace between the span and the answer is neither
+            elif self.state in ("after", "lead"):  # the whitespace between the span and the answer is neither
                 s = self.held.lstrip()
                 self.held = s
                 if s:
@@ -130,17 +140,27 @@ class Spans:
         opens, continues or closes the span (its markers are the span's), answer otherwise."""
         before = self.state
         pieces = self.feed(text)
+        if self.state == "start":  # what may yet open the span (a marker of several tokens): counted once known
+            self._undecided.append(from_draft)
+            return pieces
         thinking = self.state == "inside" or (before in ("start", "inside") and self.state == "after")
-        counts = self.counts["reasoning" if thinking else "answer"]
-        counts["tokens"] += 1
-        counts["from_draft"] += bool(from_draft)
+        for drafted in [*self._undecided, from_draft]:
+            self._add("reasoning" if thinking else "answer", drafted)
+        self._undecided.clear()
         return pieces
+
+    def _add(self, span: str, from_draft: bool) -> None:
+        self.counts[span]["tokens"] += 1
+        self.counts[span]["from_draft"] += bool(from_draft)
 
     def finish(self) -> list[tuple[bool, str]]:
         """What was held: an unclosed span's end is reasoning; text that only looked like an open marker is
         answer."""
         held, self.held = self.held, ""
-        if not held or self.state == "after":
+        for drafted in self._undecided:  # what only looked like an open marker: answer
+            self._add("answer", drafted)
+        self._undecided.clear()
+        if not held or self.state in ("after", "lead"):
             return []
         return self._count([(self.state == "inside", held)])
 

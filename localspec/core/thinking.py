@@ -36,6 +36,7 @@ class Span:
     inside: bool = False
     budget: int | None = None
     end: str = ""  # what the budget forces, where the format has its own ('' : the usual transition)
+    lead: str = ""  # what may open the answer without a span (gpt-oss's final channel): the answer's, not shown
 
     def transition(self) -> str:
         """What is forced when the budget runs out: the format's own end, else the end marker on a line of its
