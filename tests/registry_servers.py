@@ -141,7 +141,7 @@ class _HubHandler(BaseHTTPRequestHandler):
                 self.wfile.write(chunk)
                 pos += len(chunk)
                 if f.mode == "slow":  # a slow line: time for a user to press Ctrl-C midway
-                    time.sleep(0.05)
+                    time.sleep(0.02)  # ~2 s for the file: the second pull, started with the first, waits
                 if f.mode == "gate" and pos >= min(f.drop_at, size) and not f.release.is_set():
                     self.wfile.flush()
                     f.gated.set()
