@@ -10,7 +10,7 @@ from typing import Sequence
 from ..core.chat_template import RESERVED
 from ..core.engine import Engine as CoreEngine
 from ..core.request import RequestError, make_request
-from .reasoning import FieldError, Markers, Spans, span_for, template_variables
+from .reasoning import FieldError, Spans, span_for, template_variables
 from .request import content_stops, extras, structured
 from .shapes import chat_chunks, chat_completion
 from .tools import for_template
@@ -65,7 +65,7 @@ class Engine(CoreEngine):
             options["span"] = span
         s = self.stream(self.chat_tokens(for_template(messages), tools=tools, variables=variables),
                         **(options | extra | more))
-        spans = Spans(Markers.of(span), span.inside) if span is not None else None
+        spans = Spans(span, span.inside) if span is not None else None
         if stream:
             return chat_chunks(self.name, s, fmt, tools, self.target.piece, include_usage, stop, spans)
         return chat_completion(self.name, s, fmt, tools, self.target.piece, stop, spans)

@@ -15,32 +15,21 @@ to be taken back.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import replace
 
-from ..core.thinking import Span
-
-
-@dataclass(frozen=True)
-class Markers:
-    open: str
-    close: str
-    end: str = ""  # what a budget forces to close the span ('' : the close marker on its own line)
-    lead: str = ""  # what may open the answer where the output starts without a span ('' : nothing)
-
-    @classmethod
-    def of(cls, span: Span) -> "Markers":
-        return cls(span.open, span.close, span.end, span.lead)
+from ..core.thinking import Span, partial
 
 
-THINK = Markers("<think>", "</think>")
+# The markers of a span (core.thinking.Span's open, close, end and lead; inside and budget are a request's)
+THINK = Span("<think>", "</think>")
 # gpt-oss (OpenAI's harmony format): the analysis channel is the thinking, the final channel the answer (opened
 # without an analysis channel too). llama.cpp renders these tokens as text, <|end|> included.
 _FINAL = "<|start|>assistant<|channel|>final<|message|>"
-HARMONY = Markers("<|channel|>analysis<|message|>", "<|end|>" + _FINAL, "<|end|>" + _FINAL,
-                  "<|channel|>final<|message|>")
+HARMONY = Span("<|channel|>analysis<|message|>", "<|end|>" + _FINAL, end="<|end|>" + _FINAL,
+               lead="<|channel|>final<|message|>")
 
 
-def markers_of(template: str | None) -> Markers | None:
+def markers_of(template: str | None) -> Span | None:
     """The thinking markers a chat template writes, or None where it writes none (no reasoning span)."""
     if not template:
         return None
@@ -51,7 +40,7 @@ def markers_of(template: str | None) -> Markers | None:
     return None
 
 
-def opens_in_prompt(prompt: str, markers: Markers) -> bool:
+def opens_in_prompt(prompt: str, markers: Span) -> bool:
     """Whether the rendered prompt leaves the span open (its last marker is an open one): the output starts
     inside it."""
     last_open, last_close = prompt.rfind(markers.open), prompt.rfind(markers.close)
@@ -66,31 +55,23 @@ def span_for(llm, messages: list[dict], *, tools=None, variables: dict | None = 
     if markers is None:
         return None
     inside = opens_in_prompt(llm.render_chat(messages, tools=tools, variables=variables), markers)
-    return Span(markers.open, markers.close, inside, budget, markers.end, markers.lead)
+    return replace(markers, inside=inside, budget=budget)
 
 
 def split(text: str, span: Span | None) -> tuple[str | None, str]:
     """A whole reply's (thinking, answer); thinking is None where there is no span."""
     if span is None:
         return None, text
-    s = Spans(Markers.of(span), span.inside)
+    s = Spans(span, span.inside)
     pieces = s.feed(text) + s.finish()
     return "".join(t for r, t in pieces if r), "".join(t for r, t in pieces if not r)
-
-
-def _partial(text: str, marker: str) -> int:
-    """How many characters at the end of text could be the start of marker (0 if none)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class Spans:
     """Generated text split into reasoning and answer as it streams: feed() returns (is_reasoning, text) pieces,
     finish() what was held at the end."""
 
-    def __init__(self, markers: Markers, inside: bool = False):
+    def __init__(self, markers: Span, inside: bool = False):
         self.markers = markers
         # start -> inside -> after -> answer; start -> answer; start -> lead (an answer's own opening) -> answer
         self.state = "inside" if inside else "start"
@@ -121,7 +102,7 @@ class Spans:
                     out.append((True, self.held[:i]))
                     self.held, self.state = self.held[i + len(m.close):], "after"
                 else:
-                    keep = _partial(self.held, m.close)
+                    keep = partial(self.held, m.close)
                     out.append((True, self.held[:len(self.held) - keep]))
                     self.held = self.held[len(self.held) - keep:]
                     break

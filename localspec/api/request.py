@@ -13,7 +13,8 @@ from ..core.errors import LocalspecError
 from ..core.grammar import GrammarError, compile_spec
 from ..core.chat_template import RESERVED
 from ..core.request import make_request
-from .reasoning import FieldError, Markers, Spans, markers_of, template_variables
+from ..core.thinking import Span
+from .reasoning import FieldError, Spans, markers_of, template_variables
 from .tools import _NAME, ToolError, ToolFormat, _params, check_choice, check_tools, detect
 
 
@@ -65,12 +66,13 @@ class ChatRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
     stop: tuple[str, ...] = ()  # with tool calls: stop strings end the content, not a call (openai_shapes.Chat)
     variables: dict | None = None  # more template variables (chat_template_kwargs, reasoning_effort)
-    thinking: Markers | None = None  # the model's thinking markers: its span is reasoning, not content
-    thinking_open: bool = False  # the prompt opens the span: the output starts inside it
+    thinking: Span | None = None  # the model's thinking markers: its span is reasoning, not content
 
     def spans(self) -> Spans | None:
-        """A new splitter of this request's output into reasoning and answer (None: the model has no span)."""
-        return Spans(self.thinking, self.thinking_open) if self.thinking is not None else None
+        """A new splitter of this request's output into reasoning and answer (None: the model has no span): by
+        the span the server gave the engine (options["span"]: whether the prompt opened it)."""
+        span = self.options.get("span")
+        return Spans(span, span.inside) if span is not None else None
 
 
 @dataclass

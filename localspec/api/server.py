@@ -287,7 +287,6 @@ class App:
                                 budget=budget)
             except LocalspecError as e:
                 raise ApiError(str(e), param="messages") from None
-            req.thinking_open = span.inside
             # the engine holds a constraint (JSON Schema, tools) to the answer after the span, and the budget
             req.options["span"] = span
         return req

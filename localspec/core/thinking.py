@@ -53,6 +53,14 @@ class _State(NamedTuple):
     inner: int  # tokens the inner grammar consumed for this step (what a rollback of it gives back)
 
 
+def partial(text: str, marker: str) -> int:
+    """How many characters at the end of text could be the start of marker (0 if none)."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
 def _tables(model) -> tuple[list[str], np.ndarray]:
     """Every token's text (control tokens spelled out) and which tokens are whitespace alone; per model, built
     the first time a mask needs them (~0.5 s for 150k tokens): only where an answer grammar follows a span."""
@@ -106,7 +114,7 @@ class Thinking(Masked):
         close = self.spec.close
         if close in text:
             return _State("after", s.thought, "", (), 0, 0)
-        keep = next((n for n in range(min(len(text), len(close) - 1), 0, -1) if close.startswith(text[-n:])), 0)
+        keep = partial(text, close)
         return s._replace(held=text[len(text) - keep:] if keep else "")
 
     def _text(self, tok: int) -> str:
@@ -115,6 +123,8 @@ class Thinking(Masked):
     # ---- one token ----
     def _step(self, s: _State, tok: int) -> _State | None:
         """The state after tok, or None where tok is not allowed here."""
+        if s.phase == "answer":  # the answer's grammar judges it (its text is not needed)
+            return self._answer([tok], s.thought)
         text = self._text(tok)
         if s.phase == "start":
             now = s.held + text
