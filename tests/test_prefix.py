@@ -12,7 +12,7 @@ from localspec.core import prefix
 
 from conftest import shared_calibration
 
-WORDS, KEPT = 170, 150  # a document of ~220 tokens (past what is worth keeping), and how much of it comes back
+WORDS, KEPT = 110, 130  # a document of ~150 tokens (past what is worth keeping: 128), and how much of it comes back
 DOC = ("The lighthouse keeper climbed the stairs every evening, lit the lamp, wrote the weather in the log, and "
        "watched the ships pass the rocks until morning. ")
 
@@ -48,8 +48,8 @@ LENGTHS = ((120, "none"), (350, "auto"), (600, "model"))  # a short head, a docu
 
 
 @pytest.mark.parametrize("tier, lengths", [pytest.param("ram", LENGTHS, marks=pytest.mark.slow, id="ram"),
-                                           pytest.param("disk", LENGTHS[:2], id="disk"),  # the rest: slow tier
-                                           pytest.param("disk", LENGTHS[2:], marks=pytest.mark.slow, id="disk-deep")])
+                                           pytest.param("disk", ((120, "auto"),), id="disk"),  # the rest: slow tier
+                                           pytest.param("disk", LENGTHS[1:], marks=pytest.mark.slow, id="disk-deep")])
 def test_a_restored_prompt_gives_the_text_a_fresh_prefill_gives(smol_path, fresh, home, tier, lengths):
     """A kept state restored at several prefix lengths (a short head, a document, most of the context), from
     memory in the same process or from disk after a restart: token for token the text of a fresh prefill
@@ -156,7 +156,7 @@ def test_memory_stays_under_the_cap_while_a_state_is_taken_read_or_written(smol_
     from localspec.store.prefix import KvFiles
 
     seen = []
-    with load(smol_path, prompt_cache_mb=15, prompt_cache_disk_mb=256) as llm:
+    with load(smol_path, prompt_cache_mb=11, prompt_cache_disk_mb=256) as llm:
         cache = llm.prompt_cache
         taken, read = Seq.state, KvFiles.read
 
@@ -180,7 +180,7 @@ def test_memory_stays_under_the_cap_while_a_state_is_taken_read_or_written(smol_
         llm.target.truncate(0)
         assert llm.generate([100] + prompts[0], max_tokens=2, temperature=0).stats.prompt_restored_from == "disk"
     assert [k for k, _ in seen].count("taken") >= 5 and "read" in [k for k, _ in seen]
-    assert max(n for _, n in seen) <= 15 * 2 ** 20, seen
+    assert max(n for _, n in seen) <= 11 * 2 ** 20, seen
 
 
 def test_parallel_slots_restore_from_the_cache(smol_path, home):

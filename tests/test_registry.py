@@ -64,9 +64,33 @@ def started_pull(env: dict) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
 
 
-def smol_snapshot(tmp_path: Path) -> Path:
-    return (tmp_path / "hf" / "hub" / "models--QuantFactory--SmolLM2-135M-Instruct-GGUF" / "snapshots" / COMMIT
-            / SMOL_SPEC.file)
+@pytest.fixture
+def small(tmp_path, hub, smol_path):
+    """`small`, a model of the first 3 MiB of SmolLM2's file (its header and first tensors), and the pair
+    `small-self`, in the user models file of `env` and on the loopback Hub. What a download does is the same for
+    3 MiB as for 94 (each pull of SmolLM2 took ~1 s more); what needs a transfer past hf's 10 MB reads (a dropped
+    connection, a Ctrl-C midway, two pulls racing) pulls SmolLM2 itself."""
+    data = smol_path.open("rb").read(3 * MiB)
+    path = tmp_path / "small.gguf"
+    path.write_bytes(data)
+    text = (f'[models.small]\nrepo = "localspec-tests/small"\nfile = "small.gguf"\nrevision = "main"\n'
+            f'size = {len(data)}\nsha256 = "{hashlib.sha256(data).hexdigest()}"\n\n'
+            '[pairs.small-self]\ntarget = "small"\ndraft = "small"\n')
+    with open(tmp_path / "models.toml", "a") as f:
+        f.write(text)
+    spec = registry._parse(tmp_path / "models.toml", SHIPPED).models["small"]
+    hub.add(spec.repo, spec.file, path, spec.sha256)
+    return spec
+
+
+def own(tmp_path: Path, spec) -> Path:
+    """Where a model's verified file lies in $LOCALSPEC_HOME/models."""
+    return ours(tmp_path, spec.repo) / spec.file
+
+
+def hub_snapshot(tmp_path: Path, spec) -> Path:
+    """Where huggingface-hub keeps a model's file in the user's Hugging Face cache."""
+    return tmp_path / "hf" / "hub" / f"models--{spec.repo.replace('/', '--')}" / "snapshots" / COMMIT / spec.file
 
 
 def ours(tmp_path: Path, repo: str) -> Path:
@@ -78,10 +102,10 @@ def smol_ours(tmp_path: Path) -> Path:
     return ours(tmp_path, SMOL_SPEC.repo) / SMOL_SPEC.file
 
 
-def user_hub_download(env: dict) -> Path:
-    """What another tool does: download SmolLM2 into the user's own Hugging Face cache."""
-    code = (f"import huggingface_hub as hf; print(hf.hf_hub_download({SMOL_SPEC.repo!r}, {SMOL_SPEC.file!r}, "
-            f"revision={SMOL_SPEC.revision!r}))")
+def user_hub_download(env: dict, spec=SMOL_SPEC) -> Path:
+    """What another tool does: download a model into the user's own Hugging Face cache."""
+    code = (f"import huggingface_hub as hf; print(hf.hf_hub_download({spec.repo!r}, {spec.file!r}, "
+            f"revision={spec.revision!r}))")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return Path(r.stdout.split()[-1])
@@ -105,17 +129,17 @@ def sha256(path: Path) -> str:
 
 # ---- huggingface-hub against the loopback Hub ----
 
-def test_hub_download_verifies_and_second_pull_does_no_network_work(tmp_path, hub, index, env):
-    r = localspec(env, "pull", SMOL)
+def test_hub_download_verifies_and_second_pull_does_no_network_work(tmp_path, hub, index, env, small):
+    r = localspec(env, "pull", "small")
     assert r.returncode == 0, r.stderr
     path = Path(r.stdout.split()[-1])
-    assert path == smol_ours(tmp_path) and sha256(path) == SMOL_SPEC.sha256
+    assert path == own(tmp_path, small) and sha256(path) == small.sha256
     assert [g.range for g in hub.gets()] == [None]           # one plain GET of the file bytes
     assert not index.requests                                # the mirror is not touched while the Hub works
     assert not (tmp_path / "hf").exists()                    # the user's Hub cache is not written
 
     seen = len(hub.requests)
-    r = localspec(env, "pull", "smollm2-self")               # the pair: same file, already verified
+    r = localspec(env, "pull", "small-self")                 # the pair: same file, already verified
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.split()[-1]) == path
     assert len(hub.requests) == seen and not index.requests  # no HEAD, no GET: nothing on the network
@@ -129,50 +153,50 @@ def flip_a_byte(path: Path) -> None:
         f.write(bytes([byte[0] ^ 1]))
 
 
-def test_corrupt_file_of_ours_is_detected_and_fetched_again(tmp_path, hub, env):
-    assert localspec(env, "pull", SMOL).returncode == 0
-    flip_a_byte(smol_ours(tmp_path))
+def test_corrupt_file_of_ours_is_detected_and_fetched_again(tmp_path, hub, env, small):
+    assert localspec(env, "pull", "small").returncode == 0
+    flip_a_byte(own(tmp_path, small))
 
-    r = localspec(env, "pull", SMOL)
+    r = localspec(env, "pull", "small")
     assert r.returncode == 0, r.stderr
     assert "does not match the sha256" in r.stderr
-    assert len(hub.gets()) == 2 and sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+    assert len(hub.gets()) == 2 and sha256(own(tmp_path, small)) == small.sha256
 
 
-def test_user_hub_cache_is_used_when_it_verifies_and_never_deleted_when_not(tmp_path, hub, env):
-    cached = user_hub_download(env)
-    assert cached == smol_snapshot(tmp_path)
-    r = localspec(env, "pull", SMOL)
+def test_user_hub_cache_is_used_when_it_verifies_and_never_deleted_when_not(tmp_path, hub, env, small):
+    cached = user_hub_download(env, small)
+    assert cached == hub_snapshot(tmp_path, small)
+    r = localspec(env, "pull", "small")
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.split()[-1]) == cached and len(hub.gets()) == 1   # used in place: no download
 
     flip_a_byte(cached.resolve())
     before = (cached.resolve().stat().st_mtime_ns, sha256(cached))
-    r = localspec(env, "pull", SMOL)
+    r = localspec(env, "pull", "small")
     assert r.returncode == 0, r.stderr
     assert "in the Hugging Face cache does not match" in r.stderr and "left as it is" in r.stderr
-    assert Path(r.stdout.split()[-1]) == smol_ours(tmp_path) and sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+    assert Path(r.stdout.split()[-1]) == own(tmp_path, small) and sha256(own(tmp_path, small)) == small.sha256
     assert (cached.resolve().stat().st_mtime_ns, sha256(cached)) == before  # the user's entry is untouched
     assert len(hub.gets()) == 2                               # a fresh download, not a copy of the bad blob
 
-    r = localspec(env, "pull", SMOL)                          # ours now wins: no network, no complaint
+    r = localspec(env, "pull", "small")                       # ours now wins: no network, no complaint
     assert r.returncode == 0 and len(hub.gets()) == 2 and "does not match" not in r.stderr
 
 
-def test_sha256_mismatch_downloads_once_more_then_fails_leaving_nothing(tmp_path, hub, env):
-    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "wrong"
-    r = localspec({**env, "LOCALSPEC_NO_MIRROR": "1"}, "pull", SMOL)
+def test_sha256_mismatch_downloads_once_more_then_fails_leaving_nothing(tmp_path, hub, env, small):
+    hub.files[(small.repo, small.file)].mode = "wrong"
+    r = localspec({**env, "LOCALSPEC_NO_MIRROR": "1"}, "pull", "small")
     assert r.returncode == 2
     assert "downloading again" in r.stderr
-    assert "neither copy matched the sha256" in r.stderr and SMOL_SPEC.sha256 in r.stderr
+    assert "neither copy matched the sha256" in r.stderr and small.sha256 in r.stderr
     assert len(hub.gets()) == 2
     assert trusted_leftovers(tmp_path) == []
-    bookkeeping = lambda: [p.name for p in (tmp_path / "home" / "models").rglob(f"{SMOL_SPEC.file}.*")  # noqa: E731
+    bookkeeping = lambda: [p.name for p in (tmp_path / "home" / "models").rglob(f"{small.file}.*")  # noqa: E731
                            if ".locks" not in p.parts]
     assert bookkeeping() == []  # no partial file, no metadata of the file
 
-    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "ok"  # the Hub recovers: a later run starts clean
-    assert localspec(env, "pull", SMOL).returncode == 0 and bookkeeping() == []
+    hub.files[(small.repo, small.file)].mode = "ok"  # the Hub recovers: a later run starts clean
+    assert localspec(env, "pull", "small").returncode == 0 and bookkeeping() == []
 
 
 def test_connection_dropped_once_resumes_and_verifies(tmp_path, hub, env):
@@ -185,8 +209,9 @@ def test_connection_dropped_once_resumes_and_verifies(tmp_path, hub, env):
     assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
 
 
-def partial(tmp_path: Path) -> Path:
-    return smol_ours(tmp_path).with_name(f"{SMOL_SPEC.file}.{SMOL_SPEC.sha256[:12]}.download")
+def partial(tmp_path: Path, spec=SMOL_SPEC) -> Path:
+    """Where an unfinished Hub download of a model lies."""
+    return own(tmp_path, spec).with_name(f"{spec.file}.{spec.sha256[:12]}.download")
 
 
 @pytest.mark.slow  # the slow tier (CI runs it): the default run stays within minutes
@@ -253,34 +278,35 @@ def test_two_pulls_at_once_download_the_file_once(tmp_path, hub, env):
     assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
 
 
-def test_a_server_that_ignores_the_range_gives_the_whole_file_not_a_doubled_one(tmp_path, smol_path, hub, env):
-    hub.files[(SMOL_SPEC.repo, SMOL_SPEC.file)].mode = "norange"
-    partial(tmp_path).parent.mkdir(parents=True)
-    partial(tmp_path).write_bytes(smol_path.read_bytes()[:MiB])
-    r = localspec(env, "pull", SMOL, "--no-mirror")
+def test_a_server_that_ignores_the_range_gives_the_whole_file_not_a_doubled_one(tmp_path, smol_path, hub, env,
+                                                                                small):
+    hub.files[(small.repo, small.file)].mode = "norange"
+    partial(tmp_path, small).parent.mkdir(parents=True)
+    partial(tmp_path, small).write_bytes(smol_path.open("rb").read(MiB))
+    r = localspec(env, "pull", "small", "--no-mirror")
     assert r.returncode == 0, r.stderr
     assert [g.range for g in hub.gets()] == [f"bytes={MiB}-"] and "does not match" not in r.stderr
-    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+    assert sha256(own(tmp_path, small)) == small.sha256
 
 
-def test_a_partial_file_of_another_revision_is_never_resumed(tmp_path, hub, env):
-    stale = smol_ours(tmp_path).with_name(f"{SMOL_SPEC.file}.{'0' * 12}.download")   # same name, other sha256
+def test_a_partial_file_of_another_revision_is_never_resumed(tmp_path, hub, env, small):
+    stale = own(tmp_path, small).with_name(f"{small.file}.{'0' * 12}.download")   # same name, other sha256
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"\0" * MiB)
-    r = localspec(env, "pull", SMOL, "--no-mirror")
+    r = localspec(env, "pull", "small", "--no-mirror")
     assert r.returncode == 0, r.stderr
     assert [g.range for g in hub.gets()] == [None] and not stale.exists()
-    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+    assert sha256(own(tmp_path, small)) == small.sha256
 
 
-def test_a_partial_file_of_other_bytes_is_caught_and_the_file_downloaded_whole(tmp_path, hub, env):
-    partial(tmp_path).parent.mkdir(parents=True)
-    partial(tmp_path).write_bytes(b"\0" * MiB)                # not a prefix of the file
-    r = localspec(env, "pull", SMOL, "--no-mirror")
+def test_a_partial_file_of_other_bytes_is_caught_and_the_file_downloaded_whole(tmp_path, hub, env, small):
+    partial(tmp_path, small).parent.mkdir(parents=True)
+    partial(tmp_path, small).write_bytes(b"\0" * MiB)         # not a prefix of the file
+    r = localspec(env, "pull", "small", "--no-mirror")
     assert r.returncode == 0, r.stderr
     assert "does not match its sha256" in r.stderr and "downloading again" in r.stderr
     assert [g.range for g in hub.gets()] == [f"bytes={MiB}-", None]
-    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256 and not partial(tmp_path).exists()
+    assert sha256(own(tmp_path, small)) == small.sha256 and not partial(tmp_path, small).exists()
 
 
 def test_offline_fetches_nothing_and_names_the_command(tmp_path, hub, env, smol_path):
@@ -397,14 +423,14 @@ def test_an_earlier_localspecs_place_leading_out_of_our_folder_is_only_not_read(
     assert download.resolve_model(spec, log=print) == own
 
 
-def test_an_earlier_localspecs_unfinished_download_is_resumed(tmp_path, smol_path, hub, env):
-    old = tmp_path / "home" / "models" / partial(tmp_path).name
+def test_an_earlier_localspecs_unfinished_download_is_resumed(tmp_path, smol_path, hub, env, small):
+    old = tmp_path / "home" / "models" / partial(tmp_path, small).name
     old.parent.mkdir(parents=True)
-    old.write_bytes(smol_path.read_bytes()[:MiB])
-    r = localspec(env, "pull", SMOL, "--no-mirror")
+    old.write_bytes(smol_path.open("rb").read(MiB))
+    r = localspec(env, "pull", "small", "--no-mirror")
     assert r.returncode == 0, r.stderr
     assert [g.range for g in hub.gets()] == [f"bytes={MiB}-"] and not old.exists()
-    assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
+    assert sha256(own(tmp_path, small)) == small.sha256
 
 
 # ---- the PyPI mirror against a loopback package index ----
