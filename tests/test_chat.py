@@ -21,7 +21,7 @@ from localspec.apps.conversation import DoesNotFit, drop_oldest_turns, parse_mes
 
 from conftest import shared_calibration
 
-N = 24  # max tokens per reply
+N = 16  # max tokens per reply
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-B]|[=>])")
 STATS = re.compile(r"(\d+) tokens, [\d.]+ tok/s; .*?prompt (\d+) prefilled, (\d+) reused[^\r\n]*")
 PROMPT = ">>>"  # prompt_toolkit draws the trailing space as a cursor move
@@ -153,7 +153,7 @@ def test_ctrl_c_keeps_the_partial_reply_and_the_chat_goes_on(smol_path, env, tmp
     assert fresh(smol_path, [u1], max_tokens=generated)[0].startswith(partial["content"])
     assert "interrupted" not in messages[3]
 
-    a2, _ = fresh(smol_path, messages[:3])
+    a2, _ = fresh(smol_path, messages[:3], max_tokens=24)  # as /set made it
     assert messages[3]["content"] == a2 and norm(shown).endswith(norm(a2))
     assert "1 interrupted" in command(child, "/stats")
     child.sendcontrol("c")  # at an empty prompt, with a conversation: a hint, not the end of it

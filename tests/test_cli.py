@@ -26,7 +26,7 @@ def test_generate_streams_text_and_prints_stats(smol_path):
 
 def test_a_sampled_run_says_its_seed_and_that_seed_gives_its_text_again(smol_path):
     """--seed's help said the stats show the seed a run used; the stats line did not (only --json had it)."""
-    args = ("generate", "--target", smol_path, "--draft", smol_path, "Once upon a time", "--max-tokens", "24")
+    args = ("generate", "--target", smol_path, "--draft", smol_path, "Once upon a time", "--max-tokens", "12")
     first = localspec(*args)
     assert first.returncode == 0, first.stderr
     seed = int(first.stderr.split("\nseed ")[1].split()[0])

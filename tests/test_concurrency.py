@@ -281,9 +281,12 @@ def test_the_stress_at_a_hundred_requests(busy_server, solo_1024):
     assert "Traceback" not in busy_server.output()
 
 
-def test_four_clients_with_one_system_prompt_get_200_and_their_text_alone(busy_server, solo_1024):
+@pytest.mark.parametrize("rounds", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_four_clients_with_one_system_prompt_get_200_and_their_text_alone(busy_server, solo_1024, rounds):
     """The reported run: four clients send one ~600-token system prompt with their own question at the same moment,
-    three rounds: every reply 200 (it was 4 x 500, then llama_decode failures once the slots were corrupted)."""
+    three rounds: every reply 200 (it was 4 x 500, then llama_decode failures once the slots were corrupted). By
+    default two rounds (the first prefills the head, the second finds it kept); the reported three in the slow
+    tier."""
     system = system_prompt(solo_1024, 600)
     alone = [Alone(solo_1024, chat(solo_1024, system, u), 16) for u in USERS[:4]]
 
@@ -293,7 +296,7 @@ def test_four_clients_with_one_system_prompt_get_200_and_their_text_alone(busy_s
             "max_tokens": 16, "temperature": 0})
         return r.status_code, r.json()
 
-    for _ in range(3):
+    for _ in range(rounds):
         got = together([lambda u=u: ask(u) for u in USERS[:4]])
         assert [status for status, _ in got] == [200] * 4, got
         for a, (_, body) in zip(alone, got):

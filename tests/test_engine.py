@@ -76,10 +76,10 @@ def test_draft_stands_aside_for_ids_it_lacks(wide_pair):
 def test_interleaved_streams_on_one_engine_each_get_their_own_output(smol_engine):
     """Case 2: the second stream verified on top of the first one's KV cache: wrong tokens, no error."""
     a, b = smol_engine.chat_tokens(MESSAGES), smol_engine.chat_tokens(STORY)
-    solo_a = smol_engine.generate(a, max_tokens=24, temperature=0, drafter="ngram").tokens
-    solo_b = smol_engine.generate(b, max_tokens=24, temperature=0, drafter="model", p_min=0).tokens
-    sa = smol_engine.stream(a, max_tokens=24, temperature=0, drafter="ngram")
-    sb = smol_engine.stream(b, max_tokens=24, temperature=0, drafter="model", p_min=0)
+    solo_a = smol_engine.generate(a, max_tokens=16, temperature=0, drafter="ngram").tokens
+    solo_b = smol_engine.generate(b, max_tokens=16, temperature=0, drafter="model", p_min=0).tokens
+    sa = smol_engine.stream(a, max_tokens=16, temperature=0, drafter="ngram")
+    sb = smol_engine.stream(b, max_tokens=16, temperature=0, drafter="model", p_min=0)
     got_a, got_b = [], []
     for ea, eb in zip(sa, sb):
         got_a.append(ea.token)
@@ -197,7 +197,7 @@ def test_a_seed_gives_the_same_text_whatever_auto_decided(smol_engine):
     across requests. Now each output position has its own stream: a seeded request repeats exactly, with
     other requests in between, and equals plain decoding with the same seed."""
     prompt = smol_engine.chat_tokens(STORY)
-    opts = dict(max_tokens=32, temperature=0.8, seed=42)
+    opts = dict(max_tokens=24, temperature=0.8, seed=42)
     plain = smol_engine.generate(prompt, drafter="none", **opts).tokens
     texts = []
     for other in (MESSAGES, STORY, MESSAGES):
@@ -223,10 +223,10 @@ def test_identical_requests_give_identical_text_in_fast_mode(smol_path):
     changed the numerics, and a near-tie flipped. Decisions now depend on the request alone."""
     with localspec.load(target=smol_path, draft=smol_path, n_ctx=1024) as llm:  # not exact
         prompts = [llm.chat_tokens(m) for m in (MESSAGES, STORY)]
-        first = [llm.generate(p, max_tokens=40, temperature=0).text for p in prompts]
+        first = [llm.generate(p, max_tokens=24, temperature=0).text for p in prompts]
         for p, text in zip(prompts, first):  # each after the other prompt's requests
-            assert "".join(e.text for e in llm.stream(p, max_tokens=40, temperature=0)) == text
-            assert llm.generate(p, max_tokens=40, temperature=0).text == text
+            assert "".join(e.text for e in llm.stream(p, max_tokens=24, temperature=0)) == text
+            assert llm.generate(p, max_tokens=24, temperature=0).text == text
 
 
 def test_message_text_never_becomes_control_tokens(smol_engine):

@@ -62,13 +62,13 @@ def test_greedy_requests_decoded_together_give_their_text_alone(par, solo):
     varies too)."""
     drafters = ["auto", "ngram", "none", "model"]
     prompts = [par.chat_tokens([{"role": "user", "content": f"Write a Python function that {t}."}]) for t in TASKS]
-    alone = [solo.generate(p, max_tokens=32, temperature=0, drafter=d, logprobs=5)
+    alone = [solo.generate(p, max_tokens=24, temperature=0, drafter=d, logprobs=5)
              for p, d in zip(prompts, drafters)]
     sizes = []
     run_jobs = par.target._run_jobs
     par.target._run_jobs = lambda jobs: (sizes.append(len(jobs)), run_jobs(jobs))
     try:
-        got = together([lambda p=p, d=d: par.generate(p, max_tokens=32, temperature=0, drafter=d)
+        got = together([lambda p=p, d=d: par.generate(p, max_tokens=24, temperature=0, drafter=d)
                         for p, d in zip(prompts, drafters)])
     finally:
         del par.target._run_jobs
