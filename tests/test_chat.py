@@ -41,7 +41,8 @@ _REFERENCE: dict[int, localspec.Engine] = {}  # per n_ctx: an engine without a p
 
 def fresh(smol, messages, *, max_tokens=N, n_ctx=1024):
     """(reply, prompt tokens) of a fresh engine for this conversation: one loaded for the module, without a prompt
-    cache, its contexts emptied first (in exact mode its text is a freshly loaded engine's)."""
+    cache, its contexts emptied first (in exact mode its text is a freshly loaded engine's), decoding plain (in
+    exact mode a drafted reply is plain decoding's)."""
     msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
     llm = _REFERENCE.get(n_ctx)
     if llm is None:
@@ -50,7 +51,7 @@ def fresh(smol, messages, *, max_tokens=N, n_ctx=1024):
     llm.target.truncate(0)
     llm.draft.truncate(0)
     tokens = llm.chat_tokens(msgs)
-    return llm.generate(tokens, temperature=0, max_tokens=max_tokens, drafter="model").text, len(tokens)
+    return llm.generate(tokens, temperature=0, max_tokens=max_tokens, drafter="none").text, len(tokens)
 
 
 @pytest.fixture(scope="module", autouse=True)

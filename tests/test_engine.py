@@ -165,7 +165,7 @@ def test_small_contexts(smol_path):
         assert r.stats.generated == 32
     with localspec.load(target=smol_path, draft=smol_path, n_ctx=1024, n_ctx_draft=64) as llm:
         small = llm.draft.n_ctx  # llama.cpp rounds a context up to 256 cells
-        long = [{"role": "user", "content": "Summarise: " + "the keeper lit the lamp at dusk. " * 60}]
+        long = [{"role": "user", "content": "Summarise: " + "the keeper lit the lamp at dusk. " * 40}]
         prompt = llm.chat_tokens(long)
         assert len(prompt) > small
         plain = llm.generate(prompt, max_tokens=16, temperature=0, drafter="none").tokens

@@ -86,6 +86,7 @@ def test_synthetic_model_loads_and_decodes_in_localspec(desc, small):
 
 
 @pytest.mark.qwen
+@pytest.mark.slow  # writes the whole 0.5B file, ~400 MB of random weights (~3 s): the slow tier, which CI runs
 def test_full_synthetic_header_is_byte_identical_to_the_real_file(desc, qwen_paths, tmp_path):
     """Written whole, the synthetic 0.5B differs from the real file in its weights only."""
     real = qwen_paths[1]

@@ -747,7 +747,7 @@ def test_connections_whose_headers_do_not_arrive_are_closed():
         await send({"type": "http.response.body", "body": b"ok"})
 
     request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-    with Live(app, header_timeout_s=0.5, timeout_keep_alive=2) as live:
+    with Live(app, header_timeout_s=0.5, timeout_keep_alive=1) as live:
         silent, partial, kept, kept_partial = (live.connect() for _ in range(4))
         t0 = time.monotonic()
         partial.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
@@ -770,7 +770,7 @@ def test_connections_whose_headers_do_not_arrive_are_closed():
         kept.settimeout(10)
         t1 = time.monotonic()
         assert kept.recv(1) == b""  # closed by uvicorn's keep-alive timeout, without a word
-        assert 1.5 < time.monotonic() - t1 < 5
+        assert 0.7 < time.monotonic() - t1 < 5
         for sock in (silent, partial, kept, kept_partial):
             sock.close()
 
@@ -1485,7 +1485,7 @@ def test_idle_senders_never_lock_out_a_client(server):
 def test_what_will_fail_is_refused_on_arrival_not_at_the_head_of_the_queue(server):
     """A schema that refers to itself and out-of-vocabulary token ids were accepted, waited their turn (behind a
     long generation), then failed: they are 400s before the generation running meanwhile has ended."""
-    long = {"prompt": COUNTING, "max_tokens": 300, "temperature": 0}
+    long = {"prompt": COUNTING, "max_tokens": 150, "temperature": 0}
     auth = {"Authorization": f"Bearer {KEY}"}
     ended = []
     t = threading.Thread(target=lambda: ended.append(

@@ -38,8 +38,9 @@ def plain_reply(smol_engine):
     return smol_engine.generate(smol_engine.chat_tokens(MESSAGES), max_tokens=40, temperature=0, drafter="none")
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
-@pytest.mark.parametrize("accept", ["rejection", "greedy"])
+@pytest.mark.parametrize("accept, drafter", [
+    ("rejection", "model"), ("rejection", "ngram"), ("rejection", "hybrid"), ("greedy", "ngram"),
+    pytest.param("greedy", "model", marks=pytest.mark.slow), pytest.param("greedy", "hybrid", marks=pytest.mark.slow)])
 def test_speculative_greedy_equals_plain(smol_engine, drafter, accept, plain_reply):
     prompt = smol_engine.chat_tokens(MESSAGES)
     plain = plain_reply
