@@ -747,7 +747,7 @@ def test_connections_whose_headers_do_not_arrive_are_closed():
         await send({"type": "http.response.body", "body": b"ok"})
 
     request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-    with Live(app, header_timeout_s=0.5, timeout_keep_alive=1) as live:
+    with Live(app, header_timeout_s=0.5, timeout_keep_alive=2) as live:
         silent, partial, kept, kept_partial = (live.connect() for _ in range(4))
         t0 = time.monotonic()
         partial.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
@@ -770,7 +770,7 @@ def test_connections_whose_headers_do_not_arrive_are_closed():
         kept.settimeout(10)
         t1 = time.monotonic()
         assert kept.recv(1) == b""  # closed by uvicorn's keep-alive timeout, without a word
-        assert 0.7 < time.monotonic() - t1 < 5
+        assert 1.5 < time.monotonic() - t1 < 5
         for sock in (silent, partial, kept, kept_partial):
             sock.close()
 
