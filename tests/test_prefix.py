@@ -172,14 +172,14 @@ def test_memory_stays_under_the_cap_while_a_state_is_taken_read_or_written(smol_
 
         monkeypatch.setattr(Seq, "state", state)
         monkeypatch.setattr(KvFiles, "read", read_state)
-        prompts = [prompt(llm, WORDS, f"Question {i}: who climbed the stairs?") for i in range(5)]
+        prompts = [prompt(llm, WORDS, f"Question {i}: who climbed the stairs?") for i in range(4)]
         for i, p in enumerate(prompts):
             llm.generate([100 + i] + p, max_tokens=2, temperature=0, drafter="none")
         for keeper in cache._keepers.values():
             keeper.flush()
         llm.target.truncate(0)
         assert llm.generate([100] + prompts[0], max_tokens=2, temperature=0).stats.prompt_restored_from == "disk"
-    assert [k for k, _ in seen].count("taken") >= 5 and "read" in [k for k, _ in seen]
+    assert [k for k, _ in seen].count("taken") >= 4 and "read" in [k for k, _ in seen]
     assert max(n for _, n in seen) <= 11 * 2 ** 20, seen
 
 
