@@ -104,11 +104,11 @@ def test_interleaved_seeded_streams_with_the_draft_model_get_their_own_output(sm
 
 def test_threads_sharing_one_engine_each_get_their_own_output(smol_engine):
     prompts = [smol_engine.chat_tokens(m) for m in (MESSAGES, STORY)] * 2
-    solo = [smol_engine.generate(p, max_tokens=12, temperature=0).tokens for p in prompts]
+    solo = [smol_engine.generate(p, max_tokens=8, temperature=0).tokens for p in prompts]
     got = [None] * len(prompts)
 
-    def run(i):
-        got[i] = smol_engine.generate(prompts[i], max_tokens=12, temperature=0).tokens
+    def run(i):  # (rounds of the four take turns in the one sequence: each turn re-prefills what differs)
+        got[i] = smol_engine.generate(prompts[i], max_tokens=8, temperature=0).tokens
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
