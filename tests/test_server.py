@@ -1485,7 +1485,7 @@ def test_idle_senders_never_lock_out_a_client(server):
 def test_what_will_fail_is_refused_on_arrival_not_at_the_head_of_the_queue(server):
     """A schema that refers to itself and out-of-vocabulary token ids were accepted, waited their turn (behind a
     long generation), then failed: they are 400s before the generation running meanwhile has ended."""
-    long = {"prompt": COUNTING, "max_tokens": 150, "temperature": 0}
+    long = {"prompt": COUNTING, "max_tokens": 300, "temperature": 0}
     auth = {"Authorization": f"Bearer {KEY}"}
     ended = []
     t = threading.Thread(target=lambda: ended.append(
