@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import random
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from localspec.api.reasoning import HARMONY, THINK, Spans, markers_of, opens_in_
 
 def split(text: str, inside: bool = False, cuts: list[int] | None = None, markers=THINK) -> tuple[str, str]:
     """(reasoning, answer) of text fed in the pieces `cuts` makes (one piece when None)."""
-    s, pieces, at = Spans(markers, inside), [], 0
+    s, pieces, at = Spans(replace(markers, inside=inside)), [], 0
     for c in [*(cuts or []), len(text)]:
         pieces += s.feed(text[at:c])
         at = c
@@ -103,7 +104,7 @@ def test_each_token_counts_in_its_span_markers_included():
                           ("\n\n", False), ("Yes", True)]:
         s.token(text, drafted)
     assert s.counts == {"reasoning": {"tokens": 5, "from_draft": 3}, "answer": {"tokens": 2, "from_draft": 1}}
-    inside = Spans(THINK, inside=True)
+    inside = Spans(replace(THINK, inside=True))
     for text in ["x", "</think>", "y"]:
         inside.token(text)
     assert inside.counts["reasoning"]["tokens"] == 2 and inside.counts["answer"]["tokens"] == 1

@@ -100,7 +100,7 @@ def ours(tmp_path: Path, repo: str) -> Path:
 
 
 def smol_ours(tmp_path: Path) -> Path:
-    return ours(tmp_path, SMOL_SPEC.repo) / SMOL_SPEC.file
+    return own(tmp_path, SMOL_SPEC)
 
 
 def user_hub_download(env: dict, spec=SMOL_SPEC) -> Path:

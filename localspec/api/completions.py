@@ -65,7 +65,7 @@ class Engine(CoreEngine):
             options["span"] = span
         s = self.stream(self.chat_tokens(for_template(messages), tools=tools, variables=variables),
                         **(options | extra | more))
-        spans = Spans(span, span.inside) if span is not None else None
+        spans = Spans(span) if span is not None else None
         if stream:
             return chat_chunks(self.name, s, fmt, tools, self.target.piece, include_usage, stop, spans)
         return chat_completion(self.name, s, fmt, tools, self.target.piece, stop, spans)

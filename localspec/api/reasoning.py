@@ -62,7 +62,7 @@ def split(text: str, span: Span | None) -> tuple[str | None, str]:
     """A whole reply's (thinking, answer); thinking is None where there is no span."""
     if span is None:
         return None, text
-    s = Spans(span, span.inside)
+    s = Spans(span)
     pieces = s.feed(text) + s.finish()
     return "".join(t for r, t in pieces if r), "".join(t for r, t in pieces if not r)
 
@@ -71,10 +71,11 @@ class Spans:
     """Generated text split into reasoning and answer as it streams: feed() returns (is_reasoning, text) pieces,
     finish() what was held at the end."""
 
-    def __init__(self, markers: Span, inside: bool = False):
-        self.markers = markers
+    def __init__(self, span: Span):
+        """span: its markers, and whether the prompt opened it (span.inside: the output starts inside it)."""
+        self.markers = span
         # start -> inside -> after -> answer; start -> answer; start -> lead (an answer's own opening) -> answer
-        self.state = "inside" if inside else "start"
+        self.state = "inside" if span.inside else "start"
         self.held = ""
         self.reasoning_chars = 0
         # per span, the generated tokens and those of them drafted and accepted (token())

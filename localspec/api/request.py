@@ -72,7 +72,7 @@ class ChatRequest:
         """A new splitter of this request's output into reasoning and answer (None: the model has no span): by
         the span the server gave the engine (options["span"]: whether the prompt opened it)."""
         span = self.options.get("span")
-        return Spans(span, span.inside) if span is not None else None
+        return Spans(span) if span is not None else None
 
 
 @dataclass

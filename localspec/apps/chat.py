@@ -197,7 +197,7 @@ class Chat:
         messages, dropped, tokens = self.prompt(text)
         span = self.span(messages)
         stream = self.llm.stream(tokens, **self.options, **({"span": span} if span is not None else {}))
-        spans = Spans(self.markers, span.inside) if span is not None else None
+        spans = Spans(span) if span is not None else None
         events = iter(stream)
         kept = {id(m) for m in messages}
         for m in self.conv.messages:
